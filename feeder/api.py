@@ -1,0 +1,181 @@
+"""The public entry point, ``init_data_input_workers``: argument checks, then registration."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+from .chunks import InputSpec
+from .coordinator import GlobalCoordinator, global_coordinator
+from .feed import Feed, check_batch_size
+from .runtime import input_specs, is_session
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not value > 0 or math.isnan(value):
+        raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def init_data_input_workers(
+    session: Any,
+    input_names: Optional[Sequence[str]],
+    fetch_fun: Callable[[int, int], Any],
+    batch_size: int,
+    num_worker_threads: int = 2,
+    input_source_name: str = "train",
+    max_buffered_batches: int = 800,
+    init_fun: Optional[Callable[[Feed, GlobalCoordinator], Any]] = None,
+    external_loggers: Optional[Sequence[Any]] = None,
+    dont_rebatch: bool = False,
+    batch_columns: Optional[Sequence[int]] = None,
+    timeout: float = 600.0,
+    *,
+    coordinator: Optional[GlobalCoordinator] = None,
+    last_batch: str = "keep",
+    log_interval: float = 60.0,
+    ordered: bool = False,
+    cast: bool = False,
+    max_fetch_errors: int = 0,
+    max_buffered_bytes: Optional[int] = None,
+) -> GlobalCoordinator:
+    """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
+
+    ``fetch_fun(worker_id, batch_size)`` runs in ``num_worker_threads`` fetcher threads and
+    returns a chunk: a list/tuple of arrays in ``input_names`` order, a dict by input name, or
+    None. Chunks may have any number of rows; they are rebatched to exactly ``batch_size``
+    rows along each input's ``batch_columns`` axis. Raising ``StopIteration`` ends the worker;
+    when every worker of the source has ended, the source is finite and consumers get
+    ``StopIteration`` after the last batch (short or dropped per ``last_batch``).
+
+    Units: ``timeout`` and ``log_interval`` in seconds, ``max_buffered_batches`` in chunks,
+    ``max_buffered_bytes`` in bytes. ``ordered=True`` builds batches from chunks in a fixed
+    round-robin of worker ids (deterministic); ``cast=True`` converts safe dtype mismatches
+    (e.g. float64 to a float32 input) in the fetcher thread; ``max_fetch_errors`` fetch
+    exceptions are logged and skipped before the source fails.
+
+    Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
+    arguments raise TypeError or ValueError here, naming the argument.
+    """
+    coord = global_coordinator if coordinator is None else coordinator
+    if not isinstance(coord, GlobalCoordinator):
+        raise TypeError(f"coordinator must be a GlobalCoordinator, got {type(coord).__name__}")
+    if not callable(fetch_fun):
+        raise TypeError(f"fetch_fun must be callable, got {type(fetch_fun).__name__}")
+    if init_fun is not None and not callable(init_fun):
+        raise TypeError(f"init_fun must be callable or None, got {type(init_fun).__name__}")
+    if not isinstance(input_source_name, str) or not input_source_name:
+        raise TypeError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
+    num_worker_threads = _int("num_worker_threads", num_worker_threads, 1)
+    max_buffered_batches = _int("max_buffered_batches", max_buffered_batches, 1)
+    max_fetch_errors = _int("max_fetch_errors", max_fetch_errors, 0)
+    if max_buffered_bytes is not None:
+        max_buffered_bytes = _int("max_buffered_bytes", max_buffered_bytes, 1)
+    timeout = _seconds("timeout", timeout)
+    log_interval = _seconds("log_interval", log_interval)
+    dont_rebatch, ordered, cast = _bool("dont_rebatch", dont_rebatch), _bool("ordered", ordered), _bool("cast", cast)
+    if last_batch not in ("keep", "drop"):
+        raise ValueError(f"last_batch must be 'keep' or 'drop', got {last_batch!r}")
+    loggers = _loggers(external_loggers)
+
+    if session is not None and not is_session(session):
+        raise TypeError(f"session must be an onnxruntime.InferenceSession, a training session adapter or None, "
+                        f"got {type(session).__name__}")
+    session_specs = input_specs(session) if session is not None else None
+    names = _input_names(input_names, session_specs)
+    specs = _specs_for(names, session_specs)
+    axes = _batch_axes(batch_columns, names, specs)
+    check_batch_size(batch_size, specs, axes, dont_rebatch)
+
+    def make_feed(queue, worker_ids):
+        return Feed(coordinator=coord, source=queue, session=session, input_names=names, specs=specs,
+                    batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
+                    init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
+                    last_batch=last_batch, log_interval=log_interval, cast=cast,
+                    max_fetch_errors=max_fetch_errors)
+
+    coord._register(make_feed, name=input_source_name, input_names=names,
+                    max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,
+                    ordered=ordered, max_bytes=max_buffered_bytes)
+    return coord
+
+
+def _loggers(external_loggers: Optional[Sequence[Any]]) -> List[Any]:
+    if external_loggers is None:
+        return []
+    if isinstance(external_loggers, (str, bytes)) or not hasattr(external_loggers, "__iter__"):
+        raise TypeError("external_loggers must be a list of objects with a .log(metrics) method")
+    loggers = list(external_loggers)
+    for lg in loggers:
+        if not callable(getattr(lg, "log", None)):
+            raise TypeError(f"external logger {lg!r} has no callable .log(metrics) method")
+    return loggers
+
+
+def _input_names(input_names: Optional[Sequence[str]], session_specs: Optional[List[InputSpec]]) -> List[str]:
+    if input_names is None:
+        if session_specs is None:
+            raise ValueError("input_names is required when session is None")
+        return [s.name for s in session_specs]
+    if isinstance(input_names, str) or not hasattr(input_names, "__iter__"):
+        raise TypeError(f"input_names must be a list of str, got {type(input_names).__name__}")
+    names = list(input_names)
+    if not names:
+        raise ValueError("input_names must name at least one input")
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"input_names must be str, got {n!r}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"input_names has duplicates: {dupes}")
+    if session_specs is not None:
+        known = [s.name for s in session_specs]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"input_names {unknown} are not inputs of the session (its inputs: {known})")
+        missing = [n for n in known if n not in names]
+        if missing:
+            raise ValueError(f"the session's inputs {missing} are not in input_names {names}; "
+                             f"feed.run() needs every input")
+    return names
+
+
+def _specs_for(names: List[str], session_specs: Optional[List[InputSpec]]) -> List[InputSpec]:
+    if session_specs is None:
+        return [InputSpec(n) for n in names]
+    by_name = {s.name: s for s in session_specs}
+    return [by_name[n] for n in names]
+
+
+def _batch_axes(batch_columns: Optional[Sequence[int]], names: List[str], specs: List[InputSpec]) -> List[int]:
+    if batch_columns is None:
+        return [0] * len(names)
+    if isinstance(batch_columns, (str, bytes)) or not hasattr(batch_columns, "__iter__"):
+        raise TypeError(f"batch_columns must be a list of int, got {type(batch_columns).__name__}")
+    axes = list(batch_columns)
+    if len(axes) != len(names):
+        raise ValueError(f"batch_columns has {len(axes)} entries for {len(names)} inputs {names}")
+    for ax, spec in zip(axes, specs):
+        _int(f"batch_columns entry for input {spec.name!r}", ax, 0)
+        if spec.shape is not None and ax >= len(spec.shape):
+            raise ValueError(f"batch_columns entry {ax} for input {spec.name!r} is out of range for its rank "
+                             f"{len(spec.shape)}")
+    return [int(a) for a in axes]

@@ -1,0 +1,181 @@
+"""Chunk normalisation and validation, run in the fetcher thread that produced the chunk.
+
+A chunk (list/tuple in input order, or dict by input name) becomes a tuple of arrays in
+input order, checked against each input's :class:`InputSpec` (from the session's input
+signature, or learned from the first chunk when there is no session). Every failure is an
+:class:`InputValidationError` naming source, worker, input, expected and received:
+ONNX Runtime's own messages on the IOBinding path are cryptic, and
+``OrtValue.update_inplace`` silently reinterprets a wrong dtype, so these checks are ours.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import InputValidationError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one input accepts. ``dtype`` None: any; ``shape`` None: any rank; a None dim: any size."""
+
+    name: str
+    dtype: Optional[np.dtype] = None
+    shape: Optional[Tuple[Optional[int], ...]] = None
+    is_string: bool = False
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"array of dtype {x.dtype} and shape {x.shape}"
+    return f"{type(x).__name__}"
+
+
+def can_cast(src: np.dtype, dst: np.dtype) -> bool:
+    """The casts ``cast=True`` performs: within a kind or widening (float64->float32, int64->float32,
+    bool->anything), never float->int, signed->unsigned or anything->bool."""
+    return bool(np.can_cast(src, dst, casting="same_kind"))
+
+
+class ChunkValidator:
+    """Turns a raw chunk into a tuple of arrays for one registration, or raises.
+
+    Dimensions the spec leaves free (and, without a session, the dtypes) are learned from
+    the first valid chunk and shared by every worker of the source, so that all chunks of a
+    source can be concatenated; with ``dont_rebatch`` nothing is learned because each
+    chunk is its own batch.
+    """
+
+    def __init__(self, source: str, input_names: Sequence[str], batch_axes: Sequence[int],
+                 specs: Sequence[InputSpec], *, cast: bool, dont_rebatch: bool, fixed_batch: bool = False):
+        self.source = source
+        self.names = tuple(input_names)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.axes = tuple(batch_axes)
+        self.specs = list(specs)
+        self.cast = cast
+        self.learn = not dont_rebatch
+        self.fixed_batch = fixed_batch  # dont_rebatch with a fixed batch dim: rows are checked too
+        self._lock = threading.Lock()
+        self._learned = False
+
+    def _fail(self, worker_id: int, name: Optional[str], expected: str, got: str) -> InputValidationError:
+        where = f"source {self.source!r}, worker {worker_id}"
+        if name is not None:
+            where += f", input {name!r}"
+        return InputValidationError(f"{where}: expected {expected}, got {got}")
+
+    def __call__(self, chunk: Any, worker_id: int) -> Tuple[np.ndarray, ...]:
+        arrays = self._normalise(chunk, worker_id)
+        rows = None
+        out: List[np.ndarray] = []
+        for i, a in enumerate(arrays):
+            name, spec, axis = self.names[i], self.specs[i], self.axes[i]
+            if not isinstance(a, np.ndarray):
+                raise self._fail(worker_id, name, "a numpy array", _describe(a))
+            a = self._check_dtype(a, spec, worker_id)
+            if a.ndim <= axis:
+                raise self._fail(worker_id, name, f"an array with batch axis {axis} (rank > {axis})",
+                                 f"rank {a.ndim}, shape {a.shape}")
+            if spec.shape is not None:
+                if a.ndim != len(spec.shape):
+                    raise self._fail(worker_id, name, f"rank {len(spec.shape)} (shape {_fmt(spec.shape)})",
+                                     f"rank {a.ndim}, shape {a.shape}")
+                for d, (want, have) in enumerate(zip(spec.shape, a.shape)):
+                    if want is not None and want != have and (d != axis or self.fixed_batch):
+                        raise self._fail(worker_id, name, f"shape {_fmt(spec.shape)} (dim {d} = {want})",
+                                         f"shape {a.shape}")
+            n = a.shape[axis]
+            if rows is None:
+                rows = n
+            elif n != rows:
+                raise self._fail(worker_id, name,
+                                 f"{rows} rows along axis {axis} like input {self.names[0]!r}",
+                                 f"{n} rows (shape {a.shape})")
+            out.append(a)
+        if self.learn and rows:
+            self._learn_or_check(out, worker_id)
+        return tuple(out)
+
+    def _normalise(self, chunk: Any, worker_id: int) -> Sequence[Any]:
+        if isinstance(chunk, dict):
+            unknown = [k for k in chunk if k not in self._index]
+            missing = [n for n in self.names if n not in chunk]
+            if unknown or missing:
+                parts = []
+                if missing:
+                    parts.append(f"missing {missing}")
+                if unknown:
+                    parts.append(f"unknown {unknown}")
+                raise self._fail(worker_id, (missing or unknown)[0],
+                                 f"a dict with keys {list(self.names)}", ", ".join(parts))
+            return [chunk[n] for n in self.names]
+        if isinstance(chunk, (list, tuple)):
+            if len(chunk) != len(self.names):
+                raise self._fail(worker_id, None, f"{len(self.names)} arrays for inputs {list(self.names)}",
+                                 f"{len(chunk)} items")
+            return chunk
+        if isinstance(chunk, np.ndarray) and len(self.names) == 1:
+            raise self._fail(worker_id, self.names[0], "a list, tuple or dict of arrays",
+                             f"a bare {_describe(chunk)} (wrap it: [array])")
+        raise self._fail(worker_id, None, "a list, tuple or dict of numpy arrays, or None", _describe(chunk))
+
+    def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int) -> np.ndarray:
+        if spec.is_string:
+            if a.dtype.kind not in "OUS":
+                raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
+            return a
+        if a.dtype.kind == "O":
+            raise self._fail(worker_id, spec.name, f"a numeric array{_want(spec.dtype)}",
+                             f"dtype object (shape {a.shape}); object arrays are accepted only for string inputs")
+        want = spec.dtype
+        if want is None or a.dtype == want:
+            return a
+        if self.cast and can_cast(a.dtype, want):
+            if want.kind in "iu" and a.dtype.kind in "iu" and a.size:
+                info = np.iinfo(want)
+                lo, hi = a.min(), a.max()
+                if lo < info.min or hi > info.max:
+                    raise self._fail(worker_id, spec.name, f"values that fit {want}",
+                                     f"{a.dtype} values in [{lo}, {hi}]")
+            return a.astype(want)
+        hint = "" if self.cast else " (cast=True converts safe casts)"
+        raise self._fail(worker_id, spec.name, f"dtype {want}", f"dtype {a.dtype}{hint}")
+
+    def _learn_or_check(self, arrays: List[np.ndarray], worker_id: int) -> None:
+        if not self._learned:
+            with self._lock:
+                if not self._learned:
+                    self.specs = [
+                        InputSpec(s.name, s.dtype if s.dtype is not None or s.is_string else a.dtype,
+                                  tuple(None if d == ax else a.shape[d] for d in range(a.ndim)), s.is_string)
+                        for s, a, ax in zip(self.specs, arrays, self.axes)]
+                    self._learned = True
+                    return
+        for s, a in zip(self.specs, arrays):
+            if s.dtype is not None and a.dtype != s.dtype and not s.is_string:
+                raise self._fail(worker_id, s.name, f"dtype {s.dtype} like the source's first chunk",
+                                 f"dtype {a.dtype}" + ("" if self.cast else " (cast=True converts safe casts)"))
+            if s.shape is not None:
+                if a.ndim != len(s.shape) or any(w is not None and w != h for w, h in zip(s.shape, a.shape)):
+                    raise self._fail(worker_id, s.name, f"shape {_fmt(s.shape)} like the source's first chunk",
+                                     f"shape {a.shape}")
+
+
+def _fmt(shape: Tuple[Optional[int], ...]) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _want(dtype: Optional[np.dtype]) -> str:
+    return f" of dtype {dtype}" if dtype is not None else ""
+
+
+def row_count(arrays: Sequence[np.ndarray], axes: Sequence[int]) -> int:
+    return int(arrays[0].shape[axes[0]]) if arrays else 0
+
+
+def spec_dict(specs: Sequence[InputSpec]) -> Dict[str, InputSpec]:
+    return {s.name: s for s in specs}

@@ -1,0 +1,196 @@
+"""The coordinator: named chunk queues, registered feeds, one worker-id sequence, lifecycle.
+
+``start()`` runs pending ``init_fun``s serially, then starts every pending feed's threads.
+``stop()`` signals every thread, closes the queues (which wakes every blocked put and
+get at once), then joins all threads against one total budget, so N stuck fetchers cost
+``join_timeout`` seconds, not N times it. Stragglers are named in the log and make
+``stop()`` return False.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .feed import Feed
+from .metrics import Monitor
+from .source import ChunkQueue
+
+log = logging.getLogger("feeder")
+
+EXIT_JOIN_S = 1.0  # at interpreter exit, stop() waits at most this long: exit must be prompt
+
+
+class GlobalCoordinator:
+    """Owns the named bounded queues and the feeds registered on them.
+
+    ``join_timeout`` (seconds) is the total time ``stop()`` waits for all threads to end.
+    Every coordinator is independent; ``feeder.global_coordinator`` is just the default one.
+    """
+
+    def __init__(self, *, join_timeout: float = 5.0):
+        if not join_timeout >= 0:
+            raise ValueError(f"join_timeout must be >= 0 seconds, got {join_timeout!r}")
+        self.join_timeout = float(join_timeout)
+        self._lock = threading.RLock()
+        self._queues: Dict[str, ChunkQueue] = {}
+        self._feeds: List[Feed] = []
+        self._next_worker_id = 0
+        self._monitor: Optional[Monitor] = None
+        self._atexit: Optional[Callable[[], None]] = None
+
+    # ---- registration ------------------------------------------------------------------
+    def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
+        """The named bounded chunk queue, created on first use with ``max_buffered_batches`` chunks."""
+        with self._lock:
+            q = self._queues.get(name)
+            if q is None:
+                q = self._queues[name] = ChunkQueue(name, max_buffered_batches)
+            return q
+
+    def _take_worker_ids(self, n: int) -> List[int]:
+        with self._lock:
+            ids = list(range(self._next_worker_id, self._next_worker_id + n))
+            self._next_worker_id += n
+            return ids
+
+    def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
+                  input_names: Sequence[str], max_buffered_batches: int, num_workers: int, ordered: bool,
+                  max_bytes: Optional[int]) -> Feed:
+        with self._lock:
+            for other in self._feeds:
+                if other.input_source_name == name and other.input_names != list(input_names):
+                    raise ValueError(f"source {name!r} is already fed with inputs {other.input_names}; a replica "
+                                     f"must feed the same inputs, got {list(input_names)}")
+            q = self.get_queue(name, max_buffered_batches)
+            q.configure(ordered=ordered, max_bytes=max_bytes)
+            ids = self._take_worker_ids(num_workers)
+            feed = make_feed(q, ids)
+            q.register_workers(ids)
+            self._feeds.append(feed)
+            return feed
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Run pending ``init_fun``s serially, then start every pending feed's threads.
+
+        An exception from an ``init_fun`` propagates unchanged and no thread is started.
+        """
+        with self._lock:
+            pending = [f for f in self._feeds if not f._started]
+            for feed in pending:
+                feed._run_init()
+            for feed in pending:
+                feed._start_threads()
+            if self._monitor is None and self._feeds:
+                self._monitor = Monitor("feeder:monitor", self._due_reports)
+                self._monitor.start()
+            if self._atexit is None:
+                ref = weakref.ref(self)
+
+                def stop_at_exit() -> None:
+                    coord = ref()
+                    if coord is not None:
+                        coord.stop(timeout=min(coord.join_timeout, EXIT_JOIN_S))
+
+                self._atexit = stop_at_exit
+                atexit.register(stop_at_exit)
+
+    def _due_reports(self, now: float) -> List[Callable[[], None]]:
+        with self._lock:
+            return [f._report for f in self._feeds if f._due_report(now)]
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """Stop and remove every feed and queue. True if every thread ended within ``timeout``
+        seconds in total (default ``join_timeout``). Idempotent; never hangs."""
+        with self._lock:
+            feeds, self._feeds = self._feeds, []
+            queues, self._queues = list(self._queues.values()), {}
+            monitor, self._monitor = self._monitor, None
+            if self._atexit is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
+        if monitor is not None:
+            monitor.stop()
+        return self._shutdown(feeds, queues, [monitor.thread] if monitor is not None else [], timeout)
+
+    def stop_coordinator(self, name: str) -> bool:
+        """Stop and remove the feeds and the queue of one source; True if its threads all ended."""
+        with self._lock:
+            feeds = [f for f in self._feeds if f.input_source_name == name]
+            self._feeds = [f for f in self._feeds if f.input_source_name != name]
+            q = self._queues.pop(name, None)
+        return self._shutdown(feeds, [q] if q is not None else [], [], None)
+
+    def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue],
+                  extra_threads: Sequence[threading.Thread], timeout: Optional[float]) -> bool:
+        for feed in feeds:
+            feed._signal_stop()
+        discarded = {q.name: q.close() for q in queues}
+        deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
+        threads = [t for f in feeds for t in f._threads()] + list(extra_threads)
+        for t in threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
+        for feed in feeds:
+            if feed._started:
+                feed._check_ledger("stop")
+                feed._report(final=True)
+        for name, (chunks, rows) in discarded.items():
+            if rows:
+                log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
+        if stragglers:
+            details = [d for f in feeds for d in f.describe_workers()]
+            log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",
+                        len(stragglers), ", ".join(t.name for t in stragglers),
+                        "".join("\n  " + d for d in details))
+        return not stragglers
+
+    def __enter__(self) -> "GlobalCoordinator":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- control and lookup --------------------------------------------------------------
+    def reset_data_input(self, name: str, batch_size: int) -> None:
+        """Change the batch size of every feed of ``name`` while running; leftover rows are kept."""
+        feeds = self.feeds(name)
+        if not feeds:
+            raise KeyError(f"no feed registered for source {name!r}")
+        for feed in feeds:
+            feed._check_batch_size(batch_size)
+        for feed in feeds:
+            feed._set_batch_size(batch_size)
+
+    def feed(self, name: str) -> Feed:
+        """The single feed of source ``name`` (KeyError if none, ValueError if several)."""
+        feeds = self.feeds(name)
+        if not feeds:
+            raise KeyError(f"no feed registered for source {name!r}")
+        if len(feeds) > 1:
+            raise ValueError(f"source {name!r} has {len(feeds)} feeds (replicas); use feeds({name!r})")
+        return feeds[0]
+
+    def feeds(self, name: str) -> List[Feed]:
+        """All feeds of source ``name``, in registration order."""
+        with self._lock:
+            return [f for f in self._feeds if f.input_source_name == name]
+
+    @property
+    def sources(self) -> List[str]:
+        """Names of the sources with a queue."""
+        with self._lock:
+            return list(self._queues)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return f"GlobalCoordinator(sources={list(self._queues)}, feeds={len(self._feeds)})"
+
+
+global_coordinator = GlobalCoordinator()

@@ -1,0 +1,403 @@
+"""One registration of a fetch function: its fetcher threads, its enqueuer, its consumer API.
+
+Data path::
+
+    fetch_fun --(fetcher threads)--> ChunkQueue (named, shared by replicas)
+              --(enqueuer thread: Rebatcher, Runner.prepare)--> ready queue (small, per feed)
+              --(consumer: next_batch / run / iteration)--> session
+
+The consumer's path to the next batch is one pop from the ready queue; for ``run()`` it
+then binds the OrtValues the enqueuer already made and runs the session.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from .chunks import ChunkValidator, InputSpec
+from .errors import Failure, FeederError, FeedStopped, FeedTimeout
+from .metrics import Counters, RateMeter, send_to_external_loggers
+from .rebatcher import BufferRing, Rebatcher
+from .runtime import PreparedBatch, Runner
+from .source import CLOSED, EMPTY, END, ChunkQueue
+from .workers import SLICE_S, WorkerState, fetch_loop, stack_of
+
+log = logging.getLogger("feeder")
+
+READY_BATCHES = 4      # depth of the per-feed queue of prepared batches
+SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
+
+
+class _EndOfData:
+    __repr__ = lambda self: "END_OF_DATA"  # noqa: E731
+
+
+_END_OF_DATA = _EndOfData()
+
+
+class Feed:
+    """One registration: ``num_worker_threads`` fetchers, one enqueuer, and the consumer calls.
+
+    Created by :func:`feeder.init_data_input_workers`; get it back with
+    ``coordinator.feed(name)``. Consumer calls raise the errors described in API.md.
+    Batches handed out by :meth:`next_batch` stay valid for as long as the caller holds
+    them: a buffer is reused only once nothing references it any more.
+    """
+
+    def __init__(self, *, coordinator: Any, source: ChunkQueue, session: Any, input_names: Sequence[str],
+                 specs: Sequence[InputSpec], batch_axes: Sequence[int], fetch_fun: Callable[[int, int], Any],
+                 batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
+                 external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
+                 log_interval: float, cast: bool, max_fetch_errors: int):
+        self._coordinator = coordinator
+        self.source = source
+        self.session = session
+        self.input_source_name: str = source.name
+        self.input_names: List[str] = list(input_names)
+        self.worker_ids: List[int] = list(worker_ids)
+        self._batch_size = int(batch_size)
+        self._axes = tuple(batch_axes)
+        self._fetch_fun = fetch_fun
+        self.init_fun = init_fun
+        self.external_loggers = list(external_loggers)
+        self.dont_rebatch = dont_rebatch
+        self.timeout = float(timeout)
+        self.last_batch = last_batch
+        self.log_interval = float(log_interval)
+        self.max_fetch_errors = max_fetch_errors
+        fixed_batch = dont_rebatch and any(
+            s.shape is not None and len(s.shape) > ax and s.shape[ax] is not None for s, ax in zip(specs, self._axes))
+        self._validate = ChunkValidator(source.name, self.input_names, self._axes, specs, cast=cast,
+                                        dont_rebatch=dont_rebatch, fixed_batch=fixed_batch)
+        self._runner = Runner(session, self.input_names) if session is not None else None
+
+        self._stop = threading.Event()
+        self._ready: "queue.Queue[Any]" = queue.Queue(READY_BATCHES)
+        self._ring = BufferRing(READY_BATCHES + 2)
+        self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)
+        self._workers = [WorkerState(w) for w in self.worker_ids]
+        self._enqueuer_thread: Optional[threading.Thread] = None
+        self._failure: Optional[Failure] = None
+        self._init_done = False
+        self._started = False
+        self._stopped = False
+        self._ended = False
+        self._pending_batch_size: Optional[int] = None
+        self.counters = Counters("chunks_fetched", "rows_fetched", "none_chunks", "empty_chunks", "fetch_errors",
+                                 "rows_taken", "batches_made", "batches", "rows", "rows_dropped", "wait_s")
+        self._meter = RateMeter()
+        self._next_report = 0.0
+
+    # ---- public attributes -----------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch (what ``fetch_fun`` is told; changed by ``reset_data_input``)."""
+        return self._batch_size
+
+    def __repr__(self) -> str:
+        return (f"Feed(source={self.input_source_name!r}, inputs={self.input_names}, batch_size={self._batch_size}, "
+                f"workers={self.worker_ids})")
+
+    # ---- lifecycle (driven by the coordinator) -------------------------------------------
+    def _run_init(self) -> None:
+        if not self._init_done:
+            if self.init_fun is not None:
+                self.init_fun(self, self._coordinator)
+            self._init_done = True
+
+    def _start_threads(self) -> None:
+        if self._started:
+            return
+        name = self.input_source_name
+        self._meter = RateMeter()
+        self._next_report = self._meter.start + self.log_interval
+        for state in self._workers:
+            t = threading.Thread(
+                target=fetch_loop, name=f"feeder:{name}:fetch-{state.worker_id}", daemon=True,
+                kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
+                            validate=self._validate, batch_axes=self._axes, state=state,
+                            batch_size=lambda: self._batch_size, stop=self._stop, counters=self.counters,
+                            max_fetch_errors=self.max_fetch_errors))
+            state.thread = t
+        self._enqueuer_thread = threading.Thread(target=self._enqueue_loop, name=f"feeder:{name}:enqueue",
+                                                 daemon=True)
+        self._started = True
+        for state in self._workers:
+            state.set("starting")
+            state.thread.start()
+        self._enqueuer_thread.start()
+
+    def _signal_stop(self) -> None:
+        self._stopped = True
+        self._stop.set()
+
+    def _threads(self) -> List[threading.Thread]:
+        threads = [s.thread for s in self._workers if s.thread is not None]
+        if self._enqueuer_thread is not None:
+            threads.append(self._enqueuer_thread)
+        return threads
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        check_batch_size(batch_size, self._validate.specs, self._axes, self.dont_rebatch)
+
+    def _set_batch_size(self, batch_size: int) -> None:
+        self._batch_size = int(batch_size)
+        self._pending_batch_size = int(batch_size)
+
+    # ---- enqueuer ----------------------------------------------------------------------
+    def _enqueue_loop(self) -> None:
+        try:
+            self._enqueue()
+        except BaseException as e:  # the feed must never stay "active" with nobody feeding it
+            self._failure = Failure(FeederError(
+                f"source {self.input_source_name!r}: the enqueuer thread failed: {type(e).__name__}: {e}"), e)
+            log.error("source %r: enqueuer thread failed", self.input_source_name, exc_info=True)
+
+    def _enqueue(self) -> None:
+        rb, source, stop = self._rebatcher, self.source, self._stop
+        while not stop.is_set():
+            if self._pending_batch_size is not None:
+                rb.set_batch_size(self._pending_batch_size)
+                self._pending_batch_size = None
+                if not self._emit_full_batches():
+                    return
+            item = source.get(SLICE_S)
+            if item is EMPTY:
+                if source.failure is not None:
+                    return
+                continue
+            if item is CLOSED:
+                return
+            if item is END:
+                self._finish()
+                return
+            self.counters.add("rows_taken", item.rows)
+            if self.dont_rebatch:
+                if not self._emit(list(item.arrays), item.rows):
+                    return
+                continue
+            rb.add(item.arrays)
+            if not self._emit_full_batches():
+                return
+
+    def _emit_full_batches(self) -> bool:
+        rb = self._rebatcher
+        while True:
+            if self._pending_batch_size is not None:
+                rb.set_batch_size(self._pending_batch_size)
+                self._pending_batch_size = None
+            arrays = rb.pop()
+            if arrays is None:
+                return True
+            if not self._emit(arrays, rb.batch_size):
+                return False
+
+    def _emit(self, arrays: List[np.ndarray], rows: int) -> bool:
+        batch = PreparedBatch(self.input_names, arrays, rows)
+        if self._runner is not None:
+            self._runner.prepare(batch)
+        self.counters.add("batches_made")
+        return self._put_ready(batch)
+
+    def _put_ready(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=SLICE_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _finish(self) -> None:
+        """End of data: hand on or drop the short last batch, then the end marker."""
+        rb = self._rebatcher
+        if rb.pending_rows:
+            if self.last_batch == "keep":
+                n = rb.pending_rows
+                if not self._emit(rb.flush(), n):
+                    return
+            else:
+                nbytes = rb.pending_nbytes
+                n = rb.drop()
+                self.counters.add("rows_dropped", n)
+                self.source.dropped(n, nbytes)
+                log.info("source %r: dropped the last %d rows (fewer than batch_size=%d; last_batch='drop')",
+                         self.input_source_name, n, rb.batch_size)
+        self._put_ready(_END_OF_DATA)
+
+    # ---- consumer ----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._stopped:
+            raise FeedStopped(f"source {self.input_source_name!r}: the coordinator was stopped; "
+                              f"register again and start() to feed more")
+        if not self._started:
+            raise FeederError(f"source {self.input_source_name!r}: the coordinator has not been started; "
+                              f"call coordinator.start() first")
+
+    def _raise_failure(self) -> None:
+        failure = self.source.failure or self._failure
+        if failure is not None:
+            failure.raise_()
+
+    def _next_prepared(self, timeout: Optional[float]) -> PreparedBatch:
+        self._check_usable()
+        if timeout is None:
+            timeout = self.timeout
+        elif timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        start = time.monotonic()
+        deadline = start + timeout
+        warned = False
+        while True:
+            if self._stopped:
+                self._check_usable()
+            self._raise_failure()
+            if self._ended:
+                raise StopIteration
+            now = time.monotonic()
+            remaining = deadline - now
+            try:
+                item = self._ready.get(timeout=max(0.0, min(SLICE_S, remaining)))
+            except queue.Empty:
+                now = time.monotonic()
+                if now >= deadline:
+                    self.counters.add("wait_s", now - start)
+                    raise FeedTimeout(self._diagnose(now - start)) from None
+                if not warned and now - start > SLOW_INPUT_WARN_S:
+                    warned = True
+                    log.warning("source %r: consumer has waited %.0f s for a batch: data input is slow (%s)",
+                                self.input_source_name, now - start, self._status_line())
+                continue
+            if item is _END_OF_DATA:
+                self._ended = True
+                self._check_ledger("end of data")
+                raise StopIteration
+            self.counters.add_many(batches=1, rows=item.rows, wait_s=time.monotonic() - start)
+            self.source.delivered(item.rows, item.nbytes)
+            return item
+
+    def next_batch(self, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
+        """The next batch as ``{input name: array}``; waits at most ``timeout`` seconds
+        (default: the registration's ``timeout``)."""
+        return self._next_prepared(timeout).as_dict()
+
+    def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None) -> List[Any]:
+        """Bind the next batch and run the session on it; returns the outputs as numpy arrays."""
+        if self._runner is None:
+            raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "
+                              f"use next_batch() or iterate over it")
+        return self._runner.run(self._next_prepared(None), output_names, run_options)
+
+    def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        return self.next_batch()
+
+    # ---- introspection -------------------------------------------------------------------
+    def _held_rows(self) -> int:
+        """Rows inside this feed, counted where they are (rebatcher and ready queue)."""
+        with self._ready.mutex:
+            ready = sum(b.rows for b in self._ready.queue if isinstance(b, PreparedBatch))
+        return self._rebatcher.pending_rows + ready
+
+    def _check_ledger(self, when: str) -> bool:
+        """Rows this feed took from its source = rows delivered + dropped + still held. Never fails."""
+        c = self.counters.snapshot()
+        held = self._held_rows()
+        ok = c["rows_taken"] == c["rows"] + c["rows_dropped"] + held
+        if not ok:
+            log.error("source %r: row ledger does not balance at %s: taken %d != delivered %d + dropped %d + "
+                      "held %d", self.input_source_name, when, c["rows_taken"], c["rows"], c["rows_dropped"], held)
+        return ok
+
+    def _status_line(self) -> str:
+        live = self.source.live_workers()
+        return (f"queue {self.source.qsize()}/{self.source.maxsize} chunks ({self.source.queued_rows} rows), "
+                f"{self._ready.qsize()} ready batches, {self._rebatcher.pending_rows} rows pending a batch, "
+                f"live fetchers {live}")
+
+    def _diagnose(self, waited: float) -> str:
+        now = time.monotonic()
+        lines = [f"source {self.input_source_name!r}: no batch within {waited:.2f} s: {self._status_line()}"]
+        for state in self._workers:
+            lines.append("  " + state.describe(now, stack_after_s=min(1.0, waited / 2)))
+        enq = self._enqueuer_thread
+        if enq is not None and not enq.is_alive():
+            lines.append("  the enqueuer thread has exited")
+        return "\n".join(lines)
+
+    def describe_workers(self) -> List[str]:
+        now = time.monotonic()
+        return [s.describe(now, stack_after_s=0.0) for s in self._workers
+                if s.thread is not None and s.thread.is_alive()]
+
+    def metrics(self) -> Dict[str, float]:
+        """A snapshot of counters: rows are rows along the batch axis, times are seconds."""
+        c = self.counters.snapshot()
+        src = self.source
+        ledger = src.ledger()
+        now = time.monotonic()
+        m: Dict[str, float] = {
+            "inputs_per_sec": self._meter.overall(c["rows"], now) if self._started else 0.0,
+            "batches_per_sec": self._meter.overall(c["batches"], now) if self._started else 0.0,
+            "queue_size": float(src.qsize()),
+            "queue_capacity": float(src.maxsize),
+            "ready_batches": float(self._ready.qsize()),
+            "batch_size": float(self._batch_size),
+            "batches": c["batches"],
+            "rows": c["rows"],
+            "chunks_fetched": c["chunks_fetched"],
+            "none_chunks": c["none_chunks"],
+            "empty_chunks": c["empty_chunks"],
+            "fetch_errors": c["fetch_errors"],
+            "rows_dropped": c["rows_dropped"],
+            "consumer_wait_s": c["wait_s"],
+            "live_workers": float(len(src.live_workers())),
+            "uptime_s": now - self._meter.start if self._started else 0.0,
+            "source_rows_fetched": float(ledger["rows_fetched"]),
+            "source_rows_delivered": float(ledger["rows_delivered"]),
+            "source_rows_dropped": float(ledger["rows_dropped"]),
+            "source_rows_buffered": float(ledger["rows_fetched"] - ledger["rows_delivered"] - ledger["rows_dropped"]),
+            "source_bytes_held": float(src.bytes_held),
+            "buffer_allocations": float(self._ring.allocations),
+        }
+        return m
+
+    def _report(self, final: bool = False) -> None:
+        m = self.metrics()
+        rate = self._meter.rate(m["rows"])
+        m["inputs_per_sec_interval"] = rate
+        log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
+                 "%d ready, %d live fetchers", self.input_source_name, " (final)" if final else "", rate,
+                 m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
+                 m["live_workers"])
+        send_to_external_loggers(self.external_loggers, m, self.input_source_name)
+
+    def _due_report(self, now: float) -> bool:
+        if self._started and not self._stopped and now >= self._next_report:
+            self._next_report = now + self.log_interval
+            return True
+        return False
+
+
+
+def check_batch_size(batch_size: Any, specs: Sequence[InputSpec], axes: Sequence[int], dont_rebatch: bool) -> None:
+    """Raise TypeError/ValueError for a batch size that is not an int > 0 or that contradicts a
+    fixed batch dimension of the session's inputs (unless chunks are passed on unchanged)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    if dont_rebatch:
+        return
+    for spec, ax in zip(specs, axes):
+        if spec.shape is not None and ax < len(spec.shape) and spec.shape[ax] is not None \
+                and spec.shape[ax] != batch_size:
+            raise ValueError(f"batch_size={batch_size} contradicts input {spec.name!r}, whose batch axis {ax} "
+                             f"is fixed at {spec.shape[ax]} (shape {spec.shape})")

@@ -1,0 +1,102 @@
+"""Thread-safe counters, throughput reports and the monitor thread that emits them.
+
+Counters are bumped from fetcher, enqueuer and consumer threads, so every update takes
+a lock (Caffe2's unlocked ``+=`` lost counts). Reports go to the ``"feeder"`` logger at
+INFO and, as a flat ``dict[str, float]``, to each external logger's ``log(metrics)``; a
+logger that raises is logged and kept.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+log = logging.getLogger("feeder")
+
+
+class Counters:
+    """Named integer/float counters, safe to bump from any thread."""
+
+    def __init__(self, *names: str):
+        self._lock = threading.Lock()
+        self._values: Dict[str, float] = {n: 0 for n in names}
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + n
+
+    def add_many(self, **deltas: float) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                self._values[name] = self._values.get(name, 0) + n
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._values.get(name, 0)
+
+    def snapshot(self) -> Dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+
+class RateMeter:
+    """Rows per second over the last interval and since the start, on a monotonic clock."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self._last_t = self.start
+        self._last_rows = 0.0
+        self.last_rate = 0.0
+
+    def rate(self, rows: float, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        dt = now - self._last_t
+        if dt > 0:
+            self.last_rate = (rows - self._last_rows) / dt
+            self._last_t, self._last_rows = now, rows
+        return self.last_rate
+
+    def overall(self, rows: float, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        dt = now - self.start
+        return rows / dt if dt > 0 else 0.0
+
+
+def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], source: str) -> None:
+    """Hand ``metrics`` to each logger; a failing logger is logged (with traceback) and kept."""
+    for logger in loggers:
+        try:
+            logger.log(dict(metrics))
+        except Exception:
+            log.exception("external logger %r failed for source %r; it stays registered", logger, source)
+
+
+class Monitor:
+    """One daemon thread per coordinator that asks each feed to report when its interval is due.
+
+    It runs apart from the enqueuers so that a slow external logger delays only reports,
+    never data.
+    """
+
+    def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1):
+        self._due = due_reports
+        self._tick = tick
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._tick):
+            for report in self._due(time.monotonic()):
+                if self._stop.is_set():
+                    return
+                try:
+                    report()
+                except Exception:  # a report must never kill the monitor
+                    log.exception("feeder throughput report failed")

@@ -1,0 +1,278 @@
+"""A named input source: the bounded chunk queue shared by every registration of one name.
+
+The queue carries :class:`Chunk` envelopes from fetcher threads to enqueuer threads and
+knows the three facts every consumer of the source must agree on:
+
+* whether the source has ended (every registered worker raised ``StopIteration`` and
+  no chunk is left),
+* whether it has failed (sticky: the first failure is re-raised by every later call),
+* the row ledger: rows fetched = rows delivered + rows buffered + rows dropped.
+
+Two orders are supported. Unordered (default): one FIFO, whichever worker is first.
+Ordered: one sub-queue per worker, drained in a fixed round-robin of worker ids, so the
+same fetch functions give the same chunk sequence whatever the thread timing.
+
+Every wait is bounded by the caller's timeout; ``close()`` wakes all waiters at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import Failure
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+EMPTY = _Marker("EMPTY")    # nothing arrived within the timeout
+END = _Marker("END")        # the source is finite and fully drained
+CLOSED = _Marker("CLOSED")  # the queue was closed by stop()
+
+
+class Chunk:
+    """One validated chunk in flight: arrays in input order, their row count and bytes."""
+
+    __slots__ = ("worker_id", "arrays", "rows", "nbytes")
+
+    def __init__(self, worker_id: int, arrays: Tuple[np.ndarray, ...], rows: int):
+        self.worker_id = worker_id
+        self.arrays = arrays
+        self.rows = rows
+        self.nbytes = sum(a.nbytes for a in arrays)
+
+
+class ChunkQueue:
+    """The named bounded chunk queue of one source (see module docstring).
+
+    ``maxsize`` bounds the queue in chunks (per worker in ordered mode, at least one
+    each); ``max_bytes`` optionally bounds the bytes held by the source, counted from the
+    moment a chunk is put until its rows are delivered to a consumer or dropped, so it
+    covers the queue, the feeds' leftovers and their ready batches.
+    """
+
+    def __init__(self, name: str, maxsize: int, *, ordered: bool = False, max_bytes: Optional[int] = None):
+        if maxsize < 1:
+            raise ValueError(f"max_buffered_batches must be >= 1, got {maxsize}")
+        self.name = name
+        self.maxsize = int(maxsize)
+        self.ordered = ordered
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+        self._items: Deque[Chunk] = deque()
+        self._per_worker: Dict[int, Deque[Chunk]] = {}
+        self._rotation: List[int] = []
+        self._pos = 0
+        self._workers: set = set()
+        self._ended: set = set()
+        self._closed = False
+        self.failure: Optional[Failure] = None
+        self.fetch_errors = 0
+        # Ledger, in rows; guarded by _lock.
+        self.rows_fetched = 0
+        self.rows_delivered = 0
+        self.rows_dropped = 0
+        self.queued_rows = 0
+        self.queued_chunks = 0
+        self.bytes_held = 0
+        self.max_bytes_seen = 0
+
+    # ---- configuration -------------------------------------------------------------
+    def configure(self, *, ordered: bool, max_bytes: Optional[int]) -> None:
+        """Set the order and byte bound; allowed only while no worker is registered."""
+        with self._lock:
+            if self._workers and (ordered != self.ordered or max_bytes != self.max_bytes):
+                raise ValueError(
+                    f"source {self.name!r} already has registrations with ordered={self.ordered}, "
+                    f"max_buffered_bytes={self.max_bytes}; a replica must use the same")
+            self.ordered = ordered
+            self.max_bytes = max_bytes
+
+    def register_workers(self, worker_ids: Sequence[int]) -> None:
+        with self._lock:
+            for w in worker_ids:
+                self._workers.add(w)
+                self._per_worker.setdefault(w, deque())
+            self._rotation = sorted(self._workers)
+
+    # ---- producer side -------------------------------------------------------------
+    def put(self, chunk: Chunk, timeout: float) -> object:
+        """Put a chunk; True when queued, EMPTY if no room came within ``timeout`` s, CLOSED."""
+        deadline = time.monotonic() + timeout
+        with self._not_full:
+            while True:
+                if self._closed:
+                    return CLOSED
+                if self._has_room(chunk):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return EMPTY
+                self._not_full.wait(remaining)
+            if self.ordered:
+                self._per_worker[chunk.worker_id].append(chunk)
+                self._not_empty.notify_all()
+            else:
+                self._items.append(chunk)
+                self._not_empty.notify()
+            self.queued_chunks += 1
+            self.queued_rows += chunk.rows
+            self.rows_fetched += chunk.rows
+            self.bytes_held += chunk.nbytes
+            if self.bytes_held > self.max_bytes_seen:
+                self.max_bytes_seen = self.bytes_held
+            return True
+
+    def _has_room(self, chunk: Chunk) -> bool:
+        if self.max_bytes is not None and self.bytes_held and self.bytes_held + chunk.nbytes > self.max_bytes:
+            return False  # an oversized chunk still goes through alone, or the source would deadlock
+        if self.ordered:
+            cap = max(1, self.maxsize // max(1, len(self._workers)))
+            return len(self._per_worker[chunk.worker_id]) < cap
+        return len(self._items) < self.maxsize
+
+    def worker_ended(self, worker_id: int) -> None:
+        """Record that a worker raised StopIteration (after its last put)."""
+        with self._lock:
+            self._ended.add(worker_id)
+            self._not_empty.notify_all()
+
+    def note_fetch_error(self) -> int:
+        """Count one fetch exception against the source; returns the count so far."""
+        with self._lock:
+            self.fetch_errors += 1
+            return self.fetch_errors
+
+    def fail(self, failure: Failure) -> None:
+        """Record the source's failure; the first one wins and is sticky."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = failure
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+
+    # ---- consumer side -------------------------------------------------------------
+    def get(self, timeout: float) -> object:
+        """The next Chunk, END when the source is finite and drained, EMPTY, or CLOSED."""
+        deadline = time.monotonic() + timeout
+        with self._not_empty:
+            while True:
+                if self._closed:
+                    return CLOSED
+                item = self._next_ordered() if self.ordered else self._next_fifo()
+                if item is not EMPTY:
+                    if item is not END:
+                        self.queued_chunks -= 1
+                        self.queued_rows -= item.rows
+                        if self.ordered:
+                            self._not_full.notify_all()
+                        else:
+                            self._not_full.notify()
+                    return item
+                if self.failure is not None:
+                    return EMPTY  # the caller raises the failure; do not sit out the timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return EMPTY
+                self._not_empty.wait(remaining)
+
+    def _all_ended(self) -> bool:
+        return bool(self._workers) and self._ended >= self._workers
+
+    def _next_fifo(self) -> object:
+        if self._items:
+            return self._items.popleft()
+        return END if self._all_ended() else EMPTY
+
+    def _next_ordered(self) -> object:
+        n = len(self._rotation)
+        for _ in range(n):
+            w = self._rotation[self._pos]
+            q = self._per_worker[w]
+            if q:
+                self._pos = (self._pos + 1) % n
+                return q.popleft()
+            if w not in self._ended:
+                return EMPTY  # it is this worker's turn: wait for it
+            self._pos = (self._pos + 1) % n
+        return END if self._all_ended() else EMPTY
+
+    # ---- ledger --------------------------------------------------------------------
+    def delivered(self, rows: int, nbytes: int) -> None:
+        """A consumer took a batch of ``rows`` rows (``nbytes`` bytes) out of the source."""
+        with self._lock:
+            self.rows_delivered += rows
+            self._release(nbytes)
+
+    def dropped(self, rows: int, nbytes: int) -> None:
+        """Rows discarded by policy (``last_batch='drop'``)."""
+        with self._lock:
+            self.rows_dropped += rows
+            self._release(nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.bytes_held = max(0, self.bytes_held - nbytes)
+        if self.max_bytes is not None:
+            self._not_full.notify_all()
+
+    # ---- lifecycle / introspection -------------------------------------------------
+    def close(self) -> Tuple[int, int]:
+        """Wake every waiter, refuse further puts and gets; returns (chunks, rows) discarded."""
+        with self._lock:
+            self._closed = True
+            chunks, rows = self.queued_chunks, self.queued_rows
+            self._items.clear()
+            for q in self._per_worker.values():
+                q.clear()
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+            return chunks, rows
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def live_workers(self) -> List[int]:
+        with self._lock:
+            return sorted(self._workers - self._ended)
+
+    def has_ended(self) -> bool:
+        """All registered workers have ended (rows may still be queued)."""
+        with self._lock:
+            return self._all_ended()
+
+    def qsize(self) -> int:
+        """Chunks waiting in the queue."""
+        return self.queued_chunks
+
+    def empty(self) -> bool:
+        return self.queued_chunks == 0
+
+    def full(self) -> bool:
+        return self.queued_chunks >= self.maxsize
+
+    def ledger(self) -> Dict[str, int]:
+        with self._lock:
+            return {
+                "rows_fetched": self.rows_fetched,
+                "rows_delivered": self.rows_delivered,
+                "rows_dropped": self.rows_dropped,
+                "rows_queued": self.queued_rows,
+            }
+
+    def __repr__(self) -> str:
+        return (f"ChunkQueue({self.name!r}, maxsize={self.maxsize}, qsize={self.queued_chunks}, "
+                f"ordered={self.ordered})")

@@ -1,0 +1,34 @@
+"""Shared fixtures: a private coordinator per test, and a thread-leak check around every test."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import feeder
+
+
+def feeder_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("feeder:")]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    """Every test must leave no feeder thread running (waits up to 3 s for them to end)."""
+    before = set(feeder_threads())
+    yield
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = [t for t in feeder_threads() if t not in before and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not left, f"threads left running: {[t.name for t in left]}"
+
+
+@pytest.fixture
+def coord():
+    c = feeder.GlobalCoordinator(join_timeout=3.0)
+    yield c
+    c.stop()

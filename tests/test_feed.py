@@ -1,0 +1,170 @@
+"""The seed's own test suite restated on this API, plus the consumer calls of a feed."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import feeder
+
+
+def random_rows_fetcher(seed=0, low=1, high=64, width=3):
+    """Chunks of 1..64 random rows: data [n, width] float32, label = data[:, 0]."""
+    lock = threading.Lock()
+    rng = np.random.default_rng(seed)
+
+    def fetch(worker_id, batch_size):
+        with lock:
+            n = int(rng.integers(low, high + 1))
+            data = rng.standard_normal((n, width)).astype(np.float32)
+        return [data, data[:, 0].copy()]
+
+    return fetch
+
+
+def test_seed_suite_500_batches_of_32_rows_aligned(coord):
+    feeder.init_data_input_workers(None, ["data", "label"], random_rows_fetcher(), 32, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(500):
+        batch = feed.next_batch(timeout=10)
+        assert set(batch) == {"data", "label"}
+        assert batch["data"].shape == (32, 3) and batch["label"].shape == (32,)
+        np.testing.assert_array_equal(batch["data"][:, 0], batch["label"])
+    assert feed.metrics()["batches"] == 500
+    assert coord.stop() is True
+
+
+def test_worker_ids_come_from_one_sequence(coord):
+    seen = {}
+    lock = threading.Lock()
+
+    def fetch_for(name):
+        def fetch(worker_id, batch_size):
+            with lock:
+                seen.setdefault(name, set()).add(worker_id)
+            return [np.zeros((1, 1), np.float32)]
+        return fetch
+
+    assert feeder.init_data_input_workers(None, ["x"], fetch_for("a"), 4, num_worker_threads=3,
+                                          input_source_name="a", coordinator=coord) is coord
+    feeder.init_data_input_workers(None, ["x"], fetch_for("b"), 4, num_worker_threads=2,
+                                   input_source_name="b", coordinator=coord)
+    assert coord.feed("a").worker_ids == [0, 1, 2]
+    assert coord.feed("b").worker_ids == [3, 4]
+    coord.start()
+    coord.feed("a").next_batch(timeout=10)
+    coord.feed("b").next_batch(timeout=10)
+    coord.stop()
+    assert seen["a"] <= {0, 1, 2} and seen["b"] <= {3, 4}
+    # ids keep counting after a stop: unique within the coordinator
+    feeder.init_data_input_workers(None, ["x"], fetch_for("c"), 4, input_source_name="c", coordinator=coord)
+    assert coord.feed("c").worker_ids == [5, 6]
+
+
+def test_stop_returns_true_while_enqueuer_is_blocked_with_nobody_consuming(coord):
+    produced = threading.Event()
+
+    def fetch(worker_id, batch_size):
+        produced.set()
+        return [np.zeros((batch_size, 2), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 8, max_buffered_batches=2, coordinator=coord)
+    coord.start()
+    assert produced.wait(5)
+    feed = coord.feed("train")
+    # fill everything: ready queue and chunk queue are full, enqueuer and fetchers are blocked
+    while feed.metrics()["ready_batches"] < 4 or coord.get_queue("train", 2).qsize() < 2:
+        threading.Event().wait(0.01)
+    assert coord.stop() is True
+
+
+def test_batches_keep_input_order_with_one_worker(coord):
+    counter = iter(range(10**9))
+
+    def fetch(worker_id, batch_size):
+        start = next(counter) * 5
+        return {"id": np.arange(start, start + 5)}
+
+    feeder.init_data_input_workers(None, ["id"], fetch, 7, num_worker_threads=1, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    got = np.concatenate([feed.next_batch(timeout=10)["id"] for _ in range(20)])
+    assert got.tolist() == list(range(140))
+
+
+def test_dont_rebatch_passes_chunks_through(coord):
+    sizes = iter([3, 5, 1, 7] * 1000)
+
+    def fetch(worker_id, batch_size):
+        return [np.zeros((next(sizes), 2), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 4, num_worker_threads=1, dont_rebatch=True,
+                                   coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    assert [feed.next_batch(timeout=10)["x"].shape[0] for _ in range(8)] == [3, 5, 1, 7] * 2
+
+
+def test_batch_columns_rebatch_along_another_axis(coord):
+    def fetch(worker_id, batch_size):
+        n = 3
+        return [np.ones((2, n, 4), np.float32), np.ones(n, np.int64)]
+
+    feeder.init_data_input_workers(None, ["seq", "y"], fetch, 5, batch_columns=[1, 0], coordinator=coord)
+    coord.start()
+    b = coord.feed("train").next_batch(timeout=10)
+    assert b["seq"].shape == (2, 5, 4) and b["y"].shape == (5,)
+
+
+def test_iteration_and_fetch_fun_sees_batch_size(coord):
+    asked = []
+
+    def fetch(worker_id, batch_size):
+        asked.append(batch_size)
+        return [np.zeros((2, 1))]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 6, num_worker_threads=1, coordinator=coord)
+    with coord:
+        for i, batch in enumerate(coord.feed("train")):
+            assert batch["x"].shape == (6, 1)
+            if i == 4:
+                break
+    assert set(asked) == {6}
+
+
+def test_run_without_session_raises(coord):
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.zeros((1, 1))], 2, coordinator=coord)
+    coord.start()
+    with pytest.raises(feeder.FeederError, match="no session"):
+        coord.feed("train").run()
+
+
+def test_reset_data_input_changes_batch_size_without_losing_rows(coord):
+    counter = iter(range(10**9))
+    asked = []
+
+    def fetch(worker_id, batch_size):
+        asked.append(batch_size)
+        start = next(counter) * 3
+        return [np.arange(start, start + 3)]
+
+    feeder.init_data_input_workers(None, ["id"], fetch, 4, num_worker_threads=1, max_buffered_batches=2,
+                                   coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    got = [feed.next_batch(timeout=10)["id"] for _ in range(3)]
+    coord.reset_data_input("train", 10)
+    assert feed.batch_size == 10
+    for _ in range(12):
+        got.append(feed.next_batch(timeout=10)["id"])
+    sizes = [len(g) for g in got]
+    assert sizes[:3] == [4, 4, 4] and sizes[-1] == 10 and set(sizes) <= {4, 10}
+    flat = np.concatenate(got)
+    assert flat.tolist() == list(range(len(flat)))
+    assert 10 in asked
+    with pytest.raises(ValueError):
+        coord.reset_data_input("train", 0)
+    with pytest.raises(KeyError):
+        coord.reset_data_input("nope", 3)
