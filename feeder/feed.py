@@ -72,6 +72,7 @@ class Feed:
         self.max_fetch_errors = max_fetch_errors
         fixed_batch = dont_rebatch and any(
             s.shape is not None and len(s.shape) > ax and s.shape[ax] is not None for s, ax in zip(specs, self._axes))
+        self._specs = list(specs)
         self._validate = ChunkValidator(source.name, self.input_names, self._axes, specs, cast=cast,
                                         dont_rebatch=dont_rebatch, fixed_batch=fixed_batch)
         self._runner = Runner(session, self.input_names) if session is not None else None
@@ -88,6 +89,7 @@ class Feed:
         self._stopped = False
         self._ended = False
         self._pending_batch_size: Optional[int] = None
+        self._inflight_rows = 0
         self.counters = Counters("chunks_fetched", "rows_fetched", "none_chunks", "empty_chunks", "fetch_errors",
                                  "rows_taken", "batches_made", "batches", "rows", "rows_dropped", "wait_s")
         self._meter = RateMeter()
@@ -143,7 +145,7 @@ class Feed:
         return threads
 
     def _check_batch_size(self, batch_size: int) -> None:
-        check_batch_size(batch_size, self._validate.specs, self._axes, self.dont_rebatch)
+        check_batch_size(batch_size, self._specs, self._axes, self.dont_rebatch)
 
     def _set_batch_size(self, batch_size: int) -> None:
         self._batch_size = int(batch_size)
@@ -202,7 +204,11 @@ class Feed:
         if self._runner is not None:
             self._runner.prepare(batch)
         self.counters.add("batches_made")
-        return self._put_ready(batch)
+        self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
+        if not self._put_ready(batch):
+            return False
+        self._inflight_rows = 0
+        return True
 
     def _put_ready(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -304,7 +310,7 @@ class Feed:
         """Rows inside this feed, counted where they are (rebatcher and ready queue)."""
         with self._ready.mutex:
             ready = sum(b.rows for b in self._ready.queue if isinstance(b, PreparedBatch))
-        return self._rebatcher.pending_rows + ready
+        return self._rebatcher.pending_rows + self._inflight_rows + ready
 
     def _check_ledger(self, when: str) -> bool:
         """Rows this feed took from its source = rows delivered + dropped + still held. Never fails."""
@@ -363,7 +369,9 @@ class Feed:
             "source_rows_fetched": float(ledger["rows_fetched"]),
             "source_rows_delivered": float(ledger["rows_delivered"]),
             "source_rows_dropped": float(ledger["rows_dropped"]),
-            "source_rows_buffered": float(ledger["rows_fetched"] - ledger["rows_delivered"] - ledger["rows_dropped"]),
+            "source_rows_discarded": float(ledger["rows_discarded"]),
+            "source_rows_buffered": float(ledger["rows_fetched"] - ledger["rows_delivered"] - ledger["rows_dropped"]
+                                          - ledger["rows_discarded"]),
             "source_bytes_held": float(src.bytes_held),
             "buffer_allocations": float(self._ring.allocations),
         }

@@ -85,6 +85,7 @@ class ChunkQueue:
         self.rows_fetched = 0
         self.rows_delivered = 0
         self.rows_dropped = 0
+        self.rows_discarded = 0  # queued rows thrown away by close() (stop)
         self.queued_rows = 0
         self.queued_chunks = 0
         self.bytes_held = 0
@@ -234,6 +235,8 @@ class ChunkQueue:
         with self._lock:
             self._closed = True
             chunks, rows = self.queued_chunks, self.queued_rows
+            self.rows_discarded += rows
+            self.queued_chunks = self.queued_rows = 0
             self._items.clear()
             for q in self._per_worker.values():
                 q.clear()
@@ -270,6 +273,7 @@ class ChunkQueue:
                 "rows_fetched": self.rows_fetched,
                 "rows_delivered": self.rows_delivered,
                 "rows_dropped": self.rows_dropped,
+                "rows_discarded": self.rows_discarded,
                 "rows_queued": self.queued_rows,
             }
 

@@ -1,0 +1,143 @@
+"""Feeding a real ONNX Runtime InferenceSession built with onnx.helper."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+import feeder  # noqa: E402
+from models import linear_model, session, two_input_model  # noqa: E402
+
+
+def counting_fetcher(rows=5, dim=4):
+    lock = threading.Lock()
+    state = {"next": 0}
+
+    def fetch(worker_id, batch_size):
+        with lock:
+            start = state["next"]
+            state["next"] += rows
+        ids = np.arange(start, start + rows, dtype=np.float32)
+        return [ids[:, None] * np.linspace(0.1, 1.0, dim, dtype=np.float32)[None, :]]
+
+    return fetch
+
+
+def test_run_equals_session_run_on_the_same_batch(coord):
+    sess = session(linear_model())
+    fetch = counting_fetcher()
+    feeder.init_data_input_workers(sess, None, fetch, 8, num_worker_threads=1, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    reference = counting_fetcher()
+    rows = np.concatenate([reference(0, 8)[0] for _ in range(40)])
+    for i in range(20):
+        y, s = feed.run()
+        expected = sess.run(None, {"x": rows[i * 8:(i + 1) * 8]})
+        np.testing.assert_allclose(y, expected[0], rtol=1e-6)
+        np.testing.assert_allclose(s, expected[1], rtol=1e-6)
+        assert y.shape == (8, 3)
+
+
+def test_run_with_output_names_and_run_options(coord):
+    import onnxruntime as ort
+
+    sess = session(linear_model())
+    feeder.init_data_input_workers(sess, ["x"], counting_fetcher(), 4, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    (s,) = feed.run(["s"])
+    assert s.shape == (4,)
+    y, s2 = feed.run(["y", "s"], ort.RunOptions())
+    assert y.shape == (4, 3) and s2.shape == (4,)
+    (s3,) = feed.run(["s"])
+    assert s3.shape == (4,)
+
+
+def test_two_threads_each_with_their_own_feed_of_one_session(coord):
+    sess = session(linear_model())
+    for name in ("a", "b"):
+        feeder.init_data_input_workers(sess, None, counting_fetcher(rows=3), 16, input_source_name=name,
+                                       coordinator=coord)
+    coord.start()
+    results, errors = {}, []
+
+    def consume(name):
+        try:
+            results[name] = [coord.feed(name).run()[0].shape for _ in range(200)]
+        except BaseException as e:  # noqa: B902
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results["a"] == [(16, 3)] * 200 and results["b"] == [(16, 3)] * 200
+
+
+def test_two_threads_running_one_feed_use_separate_bindings(coord):
+    sess = session(linear_model())
+    feeder.init_data_input_workers(sess, None, counting_fetcher(rows=3), 16, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    errors = []
+
+    def consume():
+        try:
+            for _ in range(200):
+                assert feed.run()[0].shape == (16, 3)
+        except BaseException as e:  # noqa: B902
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+
+
+def test_two_inputs_dict_chunks(coord):
+    sess = session(two_input_model())
+
+    def fetch(worker_id, batch_size):
+        n = 3
+        return {"k": np.arange(n, dtype=np.int64)[:, None], "a": np.ones((n, 4), np.float32)}
+
+    feeder.init_data_input_workers(sess, None, fetch, 5, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    assert feed.input_names == ["a", "k"]
+    (out,) = feed.run()
+    assert out.shape == (5, 4)
+    batch = feed.next_batch()
+    expected = np.broadcast_to(2.0 + batch["k"].astype(np.float32), (5, 4))
+    np.testing.assert_allclose(sess.run(None, batch)[0], expected)
+
+
+def test_registration_checks_against_the_session(coord):
+    sess = session(linear_model(batch=8))
+    with pytest.raises(ValueError, match="fixed at 8"):
+        feeder.init_data_input_workers(sess, None, counting_fetcher(), 4, coordinator=coord)
+    with pytest.raises(ValueError, match="not inputs of the session"):
+        feeder.init_data_input_workers(sess, ["nope"], counting_fetcher(), 8, coordinator=coord)
+    with pytest.raises(ValueError, match="not in input_names"):
+        feeder.init_data_input_workers(session(two_input_model()), ["a"], counting_fetcher(), 8,
+                                       coordinator=coord)
+    with pytest.raises(ValueError, match="out of range"):
+        feeder.init_data_input_workers(sess, None, counting_fetcher(), 8, batch_columns=[2], coordinator=coord)
+    # a fixed batch dimension is fine when it matches, or when chunks are passed through
+    feeder.init_data_input_workers(sess, None, counting_fetcher(), 8, coordinator=coord)
+    feeder.init_data_input_workers(sess, None, counting_fetcher(rows=8), 3, dont_rebatch=True,
+                                   input_source_name="raw", coordinator=coord)
+    coord.start()
+    assert coord.feed("train").run()[0].shape == (8, 3)
+    assert coord.feed("raw").run()[0].shape == (8, 3)
+    with pytest.raises(ValueError, match="fixed at 8"):
+        coord.reset_data_input("train", 4)
