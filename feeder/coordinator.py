@@ -70,6 +70,7 @@ class GlobalCoordinator:
             ids = self._take_worker_ids(num_workers)
             feed = make_feed(q, ids)
             q.register_workers(ids)
+            q.add_holder(feed._held_rows)
             self._feeds.append(feed)
             return feed
 
@@ -136,9 +137,14 @@ class GlobalCoordinator:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
+        if not stragglers:  # only a quiescent source can be audited exactly
+            for feed in feeds:
+                if feed._started:
+                    feed._check_ledger("stop")
+            for q in queues:
+                q.check_ledger("stop")
         for feed in feeds:
             if feed._started:
-                feed._check_ledger("stop")
                 feed._report(final=True)
         for name, (chunks, rows) in discarded.items():
             if rows:

@@ -282,6 +282,8 @@ class Feed:
             if item is _END_OF_DATA:
                 self._ended = True
                 self._check_ledger("end of data")
+                if self.source.feed_reached_end():
+                    self.source.check_ledger("end of data")
                 raise StopIteration
             self.counters.add_many(batches=1, rows=item.rows, wait_s=time.monotonic() - start)
             self.source.delivered(item.rows, item.nbytes)

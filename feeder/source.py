@@ -16,14 +16,17 @@ Every wait is bounded by the caller's timeout; ``close()`` wakes all waiters at 
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import Failure
+
+log = logging.getLogger("feeder")
 
 
 class _Marker:
@@ -90,6 +93,8 @@ class ChunkQueue:
         self.queued_chunks = 0
         self.bytes_held = 0
         self.max_bytes_seen = 0
+        self._holders: List[Callable[[], int]] = []  # each feed's "rows I hold" counter
+        self._feeds_ended = 0
 
     # ---- configuration -------------------------------------------------------------
     def configure(self, *, ordered: bool, max_bytes: Optional[int]) -> None:
@@ -228,6 +233,32 @@ class ChunkQueue:
         self.bytes_held = max(0, self.bytes_held - nbytes)
         if self.max_bytes is not None:
             self._not_full.notify_all()
+
+    def add_holder(self, held_rows: Callable[[], int]) -> None:
+        """Register a feed's count of the rows it holds (leftover, in flight, ready)."""
+        with self._lock:
+            self._holders.append(held_rows)
+
+    def feed_reached_end(self) -> bool:
+        """A feed handed out its end of data; True when it was the last feed of the source to do so."""
+        with self._lock:
+            self._feeds_ended += 1
+            return self._feeds_ended == len(self._holders)
+
+    def check_ledger(self, when: str) -> bool:
+        """At a quiescent point (end of data, or stop after the threads ended): rows fetched must
+        equal rows delivered + dropped + discarded + buffered, buffered counted where the rows are.
+        A mismatch is a bug; it is logged as an error naming the source."""
+        held = sum(h() for h in self._holders)
+        with self._lock:
+            buffered = self.queued_rows + held
+            accounted = self.rows_delivered + self.rows_dropped + self.rows_discarded + buffered
+            ok = self.rows_fetched == accounted
+            if not ok:
+                log.error("source %r: row ledger does not balance at %s: fetched %d != delivered %d + dropped %d "
+                          "+ discarded %d + buffered %d", self.name, when, self.rows_fetched, self.rows_delivered,
+                          self.rows_dropped, self.rows_discarded, buffered)
+            return ok
 
     # ---- lifecycle / introspection -------------------------------------------------
     def close(self) -> Tuple[int, int]:

@@ -1,6 +1,7 @@
 """Shared fixtures: a private coordinator per test, and a thread-leak check around every test."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -32,3 +33,25 @@ def coord():
     c = feeder.GlobalCoordinator(join_timeout=3.0)
     yield c
     c.stop()
+
+
+class _LedgerWatch(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.bad = []
+
+    def emit(self, record):
+        if "ledger does not balance" in record.getMessage():
+            self.bad.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def ledger_always_balances(request):
+    """Every test doubles as a ledger audit: an unbalanced row ledger is a bug wherever it shows."""
+    watch = _LedgerWatch()
+    logger = logging.getLogger("feeder")
+    logger.addHandler(watch)
+    yield watch
+    logger.removeHandler(watch)
+    if "ledger_may_fail" not in request.keywords:
+        assert not watch.bad, watch.bad
