@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +56,7 @@ class ChunkValidator:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.axes = tuple(batch_axes)
         self.specs = list(specs)
+        self._declared = list(specs)  # before learning: tells which expectations were learned
         self.cast = cast
         self.learn = not dont_rebatch
         self.fixed_batch = fixed_batch  # dont_rebatch with a fixed batch dim: rows are checked too
@@ -76,17 +77,20 @@ class ChunkValidator:
             name, spec, axis = self.names[i], self.specs[i], self.axes[i]
             if not isinstance(a, np.ndarray):
                 raise self._fail(worker_id, name, "a numpy array", _describe(a))
-            a = self._check_dtype(a, spec, worker_id)
+            a = self._check_dtype(a, spec, worker_id, self._declared[i].dtype is None)
             if a.ndim <= axis:
                 raise self._fail(worker_id, name, f"an array with batch axis {axis} (rank > {axis})",
                                  f"rank {a.ndim}, shape {a.shape}")
             if spec.shape is not None:
+                origin = _LEARNED if self._declared[i].shape is None else ""
                 if a.ndim != len(spec.shape):
-                    raise self._fail(worker_id, name, f"rank {len(spec.shape)} (shape {_fmt(spec.shape)})",
+                    raise self._fail(worker_id, name, f"rank {len(spec.shape)} (shape {_fmt(spec.shape)}){origin}",
                                      f"rank {a.ndim}, shape {a.shape}")
                 for d, (want, have) in enumerate(zip(spec.shape, a.shape)):
                     if want is not None and want != have and (d != axis or self.fixed_batch):
-                        raise self._fail(worker_id, name, f"shape {_fmt(spec.shape)} (dim {d} = {want})",
+                        origin = _LEARNED if self._declared[i].shape is None or \
+                            self._declared[i].shape[d] is None else ""
+                        raise self._fail(worker_id, name, f"shape {_fmt(spec.shape)} (dim {d} = {want}){origin}",
                                          f"shape {a.shape}")
             n = a.shape[axis]
             if rows is None:
@@ -96,8 +100,8 @@ class ChunkValidator:
                                  f"{rows} rows along axis {axis} like input {self.names[0]!r}",
                                  f"{n} rows (shape {a.shape})")
             out.append(a)
-        if self.learn and rows:
-            self._learn_or_check(out, worker_id)
+        if self.learn and rows and not self._learned and not self._learn(out):
+            return self(tuple(out), worker_id)  # another worker learned first: check against it
         return tuple(out)
 
     def _normalise(self, chunk: Any, worker_id: int) -> Sequence[Any]:
@@ -123,7 +127,7 @@ class ChunkValidator:
                              f"a bare {_describe(chunk)} (wrap it: [array])")
         raise self._fail(worker_id, None, "a list, tuple or dict of numpy arrays, or None", _describe(chunk))
 
-    def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int) -> np.ndarray:
+    def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int, learned: bool) -> np.ndarray:
         if spec.is_string:
             if a.dtype.kind not in "OUS":
                 raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
@@ -143,26 +147,23 @@ class ChunkValidator:
                                      f"{a.dtype} values in [{lo}, {hi}]")
             return a.astype(want)
         hint = "" if self.cast else " (cast=True converts safe casts)"
-        raise self._fail(worker_id, spec.name, f"dtype {want}", f"dtype {a.dtype}{hint}")
+        raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
 
-    def _learn_or_check(self, arrays: List[np.ndarray], worker_id: int) -> None:
-        if not self._learned:
-            with self._lock:
-                if not self._learned:
-                    self.specs = [
-                        InputSpec(s.name, s.dtype if s.dtype is not None or s.is_string else a.dtype,
-                                  tuple(None if d == ax else a.shape[d] for d in range(a.ndim)), s.is_string)
-                        for s, a, ax in zip(self.specs, arrays, self.axes)]
-                    self._learned = True
-                    return
-        for s, a in zip(self.specs, arrays):
-            if s.dtype is not None and a.dtype != s.dtype and not s.is_string:
-                raise self._fail(worker_id, s.name, f"dtype {s.dtype} like the source's first chunk",
-                                 f"dtype {a.dtype}" + ("" if self.cast else " (cast=True converts safe casts)"))
-            if s.shape is not None:
-                if a.ndim != len(s.shape) or any(w is not None and w != h for w, h in zip(s.shape, a.shape)):
-                    raise self._fail(worker_id, s.name, f"shape {_fmt(s.shape)} like the source's first chunk",
-                                     f"shape {a.shape}")
+    def _learn(self, arrays: List[np.ndarray]) -> bool:
+        """Fix the dtypes and non-batch dims the spec leaves free to those of this first chunk;
+        False if another worker's chunk got there first."""
+        with self._lock:
+            if self._learned:
+                return False
+            self.specs = [
+                InputSpec(s.name, s.dtype if s.dtype is not None or s.is_string else a.dtype,
+                          tuple(None if d == ax else a.shape[d] for d in range(a.ndim)), s.is_string)
+                for s, a, ax in zip(self.specs, arrays, self.axes)]
+            self._learned = True
+            return True
+
+
+_LEARNED = " like the source's first chunk"
 
 
 def _fmt(shape: Tuple[Optional[int], ...]) -> str:
@@ -171,11 +172,3 @@ def _fmt(shape: Tuple[Optional[int], ...]) -> str:
 
 def _want(dtype: Optional[np.dtype]) -> str:
     return f" of dtype {dtype}" if dtype is not None else ""
-
-
-def row_count(arrays: Sequence[np.ndarray], axes: Sequence[int]) -> int:
-    return int(arrays[0].shape[axes[0]]) if arrays else 0
-
-
-def spec_dict(specs: Sequence[InputSpec]) -> Dict[str, InputSpec]:
-    return {s.name: s for s in specs}

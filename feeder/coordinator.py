@@ -9,6 +9,7 @@ get at once), then joins all threads against one total budget, so N stuck fetche
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -21,7 +22,16 @@ from .source import ChunkQueue
 
 log = logging.getLogger("feeder")
 
-EXIT_JOIN_S = 1.0  # at interpreter exit, stop() waits at most this long: exit must be prompt
+EXIT_JOIN_S = 0.5  # at interpreter exit, stop() waits at most this long: exit must be prompt
+MONITOR_JOIN_S = 0.5  # the monitor's final reports get this long even when fetchers used up the budget
+
+
+def _join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
+    """Join threads against one shared deadline (monotonic seconds), not a timeout each."""
+    me = threading.current_thread()
+    for t in threads:
+        if t is not me and t.is_alive():
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class GlobalCoordinator:
@@ -114,9 +124,7 @@ class GlobalCoordinator:
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
-        if monitor is not None:
-            monitor.stop()
-        return self._shutdown(feeds, queues, [monitor.thread] if monitor is not None else [], timeout)
+        return self._shutdown(feeds, queues, monitor, stop_monitor=True, timeout=timeout)
 
     def stop_coordinator(self, name: str) -> bool:
         """Stop and remove the feeds and the queue of one source; True if its threads all ended."""
@@ -124,18 +132,17 @@ class GlobalCoordinator:
             feeds = [f for f in self._feeds if f.input_source_name == name]
             self._feeds = [f for f in self._feeds if f.input_source_name != name]
             q = self._queues.pop(name, None)
-        return self._shutdown(feeds, [q] if q is not None else [], [], None)
+            monitor = self._monitor
+        return self._shutdown(feeds, [q] if q is not None else [], monitor, stop_monitor=False, timeout=None)
 
-    def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue],
-                  extra_threads: Sequence[threading.Thread], timeout: Optional[float]) -> bool:
+    def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue], monitor: Optional[Monitor],
+                  stop_monitor: bool, timeout: Optional[float]) -> bool:
         for feed in feeds:
             feed._signal_stop()
-        discarded = {q.name: q.close() for q in queues}
+        discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
-        threads = [t for f in feeds for t in f._threads()] + list(extra_threads)
-        for t in threads:
-            if t.is_alive() and t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
+        threads = [t for f in feeds for t in f._threads()]
+        _join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
         if not stragglers:  # only a quiescent source can be audited exactly
             for feed in feeds:
@@ -143,12 +150,17 @@ class GlobalCoordinator:
                     feed._check_ledger("stop")
             for q in queues:
                 q.check_ledger("stop")
-        for feed in feeds:
-            if feed._started:
-                feed._report(final=True)
         for name, (chunks, rows) in discarded.items():
             if rows:
                 log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
+        if monitor is not None:
+            # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
+            monitor.final([functools.partial(f._report, final=True) for f in feeds if f._started])
+            if stop_monitor:
+                monitor.stop()
+                _join_all([monitor.thread], max(deadline, time.monotonic() + MONITOR_JOIN_S))
+                if monitor.thread.is_alive():
+                    stragglers.append(monitor.thread)
         if stragglers:
             details = [d for f in feeds for d in f.describe_workers()]
             log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 
 log = logging.getLogger("feeder")
 
@@ -73,30 +74,49 @@ def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], 
 
 
 class Monitor:
-    """One daemon thread per coordinator that asks each feed to report when its interval is due.
+    """One daemon thread per coordinator that runs the feeds' throughput reports.
 
     It runs apart from the enqueuers so that a slow external logger delays only reports,
-    never data.
+    never data. Final reports (at stop) are queued to it too, so a logger that hangs makes
+    the monitor a straggler of ``stop()`` instead of hanging ``stop()`` itself.
     """
 
     def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1):
         self._due = due_reports
         self._tick = tick
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._finals: Deque[Callable[[], None]] = deque()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
+    def final(self, reports: Iterable[Callable[[], None]]) -> None:
+        """Run these reports soon, before anything else."""
+        self._finals.extend(reports)
+        self._wake.set()
+
     def stop(self) -> None:
+        """Exit after the final reports queued so far."""
         self._stop.set()
+        self._wake.set()
+
+    def _run(self, report: Callable[[], None]) -> None:
+        try:
+            report()
+        except Exception:  # a report must never kill the monitor
+            log.exception("feeder throughput report failed")
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._tick):
+        while True:
+            self._wake.wait(self._tick)
+            self._wake.clear()
+            while self._finals:
+                self._run(self._finals.popleft())
+            if self._stop.is_set():
+                return
             for report in self._due(time.monotonic()):
-                if self._stop.is_set():
-                    return
-                try:
-                    report()
-                except Exception:  # a report must never kill the monitor
-                    log.exception("feeder throughput report failed")
+                if self._stop.is_set() or self._finals:
+                    break
+                self._run(report)

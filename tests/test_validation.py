@@ -1,0 +1,166 @@
+"""Bad chunks: each raises InputValidationError in the consumer naming source, worker, input,
+what was expected and what came; safe casts with cast=True (issue 4)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+import feeder  # noqa: E402
+from models import linear_model, session, two_input_model  # noqa: E402
+
+GOOD_A = np.ones((3, 4), np.float32)
+GOOD_K = np.zeros((3, 1), np.int64)
+
+
+def failing_source(coord, chunk, sess=None, names=None, **kw):
+    """Register a single worker returning ``chunk`` once, start, and return the error a consumer sees."""
+    sess = session(two_input_model()) if sess is None else sess
+
+    def fetch(worker_id, batch_size):
+        return chunk
+
+    feeder.init_data_input_workers(sess, names, fetch, 3, num_worker_threads=1, input_source_name="scoring",
+                                   coordinator=coord, timeout=10, **kw)
+    coord.start()
+    feed = coord.feed("scoring")
+    with pytest.raises(feeder.InputValidationError) as info:
+        feed.next_batch()
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, feeder.FeederError)
+    msg = str(err)
+    assert "source 'scoring'" in msg and f"worker {feed.worker_ids[0]}" in msg
+    # sticky: every later call raises it again
+    with pytest.raises(feeder.InputValidationError):
+        feed.next_batch()
+    return msg
+
+
+def test_missing_input_name(coord):
+    msg = failing_source(coord, {"a": GOOD_A})
+    assert "'k'" in msg and "missing" in msg
+
+
+def test_unknown_input_name(coord):
+    msg = failing_source(coord, {"a": GOOD_A, "k": GOOD_K, "extra": GOOD_K})
+    assert "'extra'" in msg and "unknown" in msg
+
+
+def test_wrong_number_of_arrays(coord):
+    msg = failing_source(coord, [GOOD_A, GOOD_K, GOOD_K])
+    assert "expected 2 arrays" in msg and "got 3" in msg and "['a', 'k']" in msg
+
+
+def test_non_array(coord):
+    msg = failing_source(coord, [GOOD_A.tolist(), GOOD_K])
+    assert "input 'a'" in msg and "numpy array" in msg and "list" in msg
+
+
+def test_bare_array_instead_of_a_list(coord):
+    msg = failing_source(coord, GOOD_A, sess=session(linear_model()))
+    assert "input 'x'" in msg and "wrap it" in msg
+
+
+def test_object_dtype(coord):
+    obj = np.empty((3, 1), dtype=object)
+    obj[:] = 1
+    msg = failing_source(coord, [GOOD_A, obj])
+    assert "input 'k'" in msg and "object" in msg and "int64" in msg
+
+
+def test_mismatched_row_counts(coord):
+    msg = failing_source(coord, [GOOD_A, np.zeros((5, 1), np.int64)])
+    assert "input 'k'" in msg and "3 rows" in msg and "5 rows" in msg
+
+
+def test_wrong_dtype(coord):
+    msg = failing_source(coord, [GOOD_A.astype(np.float64), GOOD_K])
+    assert "input 'a'" in msg and "expected dtype float32" in msg and "got dtype float64" in msg
+    assert "cast=True" in msg
+
+
+def test_wrong_rank(coord):
+    msg = failing_source(coord, [np.ones((3, 4, 1), np.float32), GOOD_K])
+    assert "input 'a'" in msg and "rank 2" in msg and "rank 3" in msg
+
+
+def test_wrong_fixed_dimension(coord):
+    msg = failing_source(coord, [np.ones((3, 5), np.float32), GOOD_K])
+    assert "input 'a'" in msg and "dim 1 = 4" in msg and "(3, 5)" in msg
+
+
+def test_wrong_fixed_batch_dimension_with_dont_rebatch(coord):
+    msg = failing_source(coord, [np.ones((3, 4), np.float32)], sess=session(linear_model(batch=8)),
+                         dont_rebatch=True)
+    assert "input 'x'" in msg and "dim 0 = 8" in msg
+
+
+def test_unsafe_cast_still_raises(coord):
+    msg = failing_source(coord, [GOOD_A, np.zeros((3, 1), np.float32)], cast=True)
+    assert "input 'k'" in msg and "int64" in msg and "float32" in msg
+
+
+def test_narrowing_cast_out_of_range_raises(coord):
+    big = np.array([[0], [1], [2**40]], dtype=np.int64)
+    from feeder.chunks import ChunkValidator, InputSpec
+
+    v = ChunkValidator("s", ["k"], [0], [InputSpec("k", np.dtype(np.int32), (None, 1))], cast=True,
+                       dont_rebatch=False)
+    assert v([np.array([[1], [2]], np.int64)], 0)[0].dtype == np.int32
+    with pytest.raises(feeder.InputValidationError, match="values that fit int32"):
+        v([big], 0)
+
+
+def test_cast_true_converts_safe_casts_in_the_fetcher(coord):
+    sess = session(two_input_model())
+
+    def fetch(worker_id, batch_size):
+        return [np.ones((3, 4), np.float64), np.arange(3, dtype=np.int32)[:, None]]
+
+    feeder.init_data_input_workers(sess, None, fetch, 4, cast=True, coordinator=coord, timeout=10)
+    coord.start()
+    batch = coord.feed("train").next_batch()
+    assert batch["a"].dtype == np.float32 and batch["k"].dtype == np.int64
+    (out,) = coord.feed("train").run()
+    assert out.shape == (4, 4)
+
+
+def test_sessionless_source_checks_against_its_first_chunk(coord):
+    calls = iter(range(10))
+
+    def fetch(worker_id, batch_size):
+        return [np.zeros((2, 3), np.float32 if next(calls) == 0 else np.float64)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, num_worker_threads=1, coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.InputValidationError, match="input 'x'.*float32 like the source's first chunk"):
+        for _ in range(5):
+            feed.next_batch()
+
+
+def test_sessionless_shape_change_between_chunks(coord):
+    calls = iter(range(10))
+
+    def fetch(worker_id, batch_size):
+        return [np.zeros((2, 3 if next(calls) == 0 else 4), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, num_worker_threads=1, coordinator=coord, timeout=10)
+    coord.start()
+    with pytest.raises(feeder.InputValidationError, match=r"input 'x'.*\(\?, 3\).*\(2, 4\)"):
+        for _ in range(5):
+            coord.feed("train").next_batch()
+
+
+def test_dont_rebatch_sessionless_allows_varying_shapes(coord):
+    calls = iter(range(10**6))
+
+    def fetch(worker_id, batch_size):
+        return [np.zeros((2, 3 + next(calls) % 2), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, num_worker_threads=1, dont_rebatch=True,
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    assert {coord.feed("train").next_batch()["x"].shape[1] for _ in range(4)} == {3, 4}
