@@ -179,11 +179,13 @@ class Feed:
                 self._finish()
                 return
             self.counters.add("rows_taken", item.rows)
+            self._inflight_rows = item.rows  # in this thread's hands: still counted as held
             if self.dont_rebatch:
                 if not self._emit(list(item.arrays), item.rows):
                     return
                 continue
             rb.add(item.arrays)
+            self._inflight_rows = 0
             if not self._emit_full_batches():
                 return
 

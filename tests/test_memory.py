@@ -1,0 +1,62 @@
+"""max_buffered_bytes: with fast fetchers and a slow consumer, memory stays under the bound (issue 4)."""
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import numpy as np
+
+import feeder
+from utils import wait_until
+
+ROW_BYTES = 1024 * 4  # 1024 float32 per row
+CHUNK_ROWS = 64       # 256 KiB per chunk
+BATCH = 32            # 128 KiB per batch
+
+
+def test_bytes_held_by_a_source_stay_under_max_buffered_bytes(coord):
+    bound = 4 * 2**20  # 4 MiB; without it, 800 chunks of 256 KiB would be 200 MiB
+    seen = {"chunks": 0}
+    lock = threading.Lock()
+
+    def fetch(worker_id, batch_size):
+        with lock:
+            seen["chunks"] += 1
+        return [np.ones((CHUNK_ROWS, 1024), np.float32)]
+
+    tracemalloc.start()
+    try:
+        feeder.init_data_input_workers(None, ["x"], fetch, BATCH, num_worker_threads=3,
+                                       max_buffered_bytes=bound, coordinator=coord, timeout=10)
+        coord.start()
+        feed = coord.feed("train")
+        wait_until(lambda: feed.metrics()["source_bytes_held"] > bound - CHUNK_ROWS * ROW_BYTES,
+                   what="the source to fill up to its bound")
+        tracemalloc.reset_peak()
+        for i in range(200):  # a slow consumer: producers keep hitting the bound
+            batch = feed.next_batch()
+            del batch
+            if i % 20 == 0:
+                threading.Event().wait(0.01)
+        current, peak = tracemalloc.get_traced_memory()
+        held_max = feed.source.max_bytes_seen
+    finally:
+        coord.stop()
+        tracemalloc.stop()
+    # What the source counts never exceeds the bound ...
+    assert held_max <= bound
+    # ... and what Python really allocated stays near it: the bound, plus one chunk that a
+    # partially consumed view keeps alive, the reusable batch buffers, and one chunk per fetcher
+    # waiting for room.
+    slack = CHUNK_ROWS * ROW_BYTES * (1 + 3) + 6 * BATCH * ROW_BYTES + 2**20
+    assert peak < bound + slack, f"peak {peak / 2**20:.1f} MiB for a bound of {bound / 2**20:.1f} MiB"
+    assert seen["chunks"] < 800
+
+
+def test_without_a_byte_bound_the_chunk_queue_bounds_memory_in_chunks(coord):
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.ones((4, 8), np.float32)], 4,
+                                   max_buffered_batches=5, coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    wait_until(lambda: feed.source.full(), what="a full queue")
+    assert feed.source.qsize() == 5
