@@ -62,6 +62,43 @@ class ChunkValidator:
         self.fixed_batch = fixed_batch  # dont_rebatch with a fixed batch dim: rows are checked too
         self._lock = threading.Lock()
         self._learned = False
+        self._fast: Optional[List[tuple]] = None
+        self._build_fast()
+
+    def _build_fast(self) -> None:
+        """Precompute the per-input (dtype, axis, rank, other dims) of the fast path, once every
+        expectation is fixed; the full checks (and their messages) run only when it misses."""
+        if not self.learn:
+            return
+        fast = []
+        for spec, ax in zip(self.specs, self.axes):
+            if spec.is_string or spec.dtype is None or spec.shape is None or ax >= len(spec.shape):
+                return
+            other = spec.shape[:ax] + spec.shape[ax + 1:]
+            if any(d is None for d in other):
+                return
+            fast.append((spec.dtype, ax, len(spec.shape), other))
+        self._fast = fast
+
+    def check(self, chunk: Any, worker_id: int) -> Tuple[Tuple[np.ndarray, ...], int]:
+        """Validate ``chunk``; returns (arrays in input order, row count) or raises."""
+        fast = self._fast
+        if fast is not None and type(chunk) in (list, tuple) and len(chunk) == len(fast):
+            rows = -1
+            for a, (dtype, ax, ndim, other) in zip(chunk, fast):
+                if type(a) is not np.ndarray or a.dtype != dtype or a.ndim != ndim:
+                    break
+                shape = a.shape
+                if (shape[1:] if ax == 0 else shape[:ax] + shape[ax + 1:]) != other:
+                    break
+                if rows < 0:
+                    rows = shape[ax]
+                elif shape[ax] != rows:
+                    break
+            else:
+                return tuple(chunk), rows
+        arrays = self(chunk, worker_id)
+        return arrays, int(arrays[0].shape[self.axes[0]]) if arrays else 0
 
     def _fail(self, worker_id: int, name: Optional[str], expected: str, got: str) -> InputValidationError:
         where = f"source {self.source!r}, worker {worker_id}"
@@ -160,6 +197,7 @@ class ChunkValidator:
                           tuple(None if d == ax else a.shape[d] for d in range(a.ndim)), s.is_string)
                 for s, a, ax in zip(self.specs, arrays, self.axes)]
             self._learned = True
+            self._build_fast()
             return True
 
 

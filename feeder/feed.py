@@ -80,7 +80,7 @@ class Feed:
         self._stop = threading.Event()
         self._ready: "queue.Queue[Any]" = queue.Queue(READY_BATCHES)
         self._ring = BufferRing(READY_BATCHES + 2)
-        self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)
+        self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         self._workers = [WorkerState(w) for w in self.worker_ids]
         self._enqueuer_thread: Optional[threading.Thread] = None
         self._failure: Optional[Failure] = None
@@ -90,8 +90,11 @@ class Feed:
         self._ended = False
         self._pending_batch_size: Optional[int] = None
         self._inflight_rows = 0
-        self.counters = Counters("chunks_fetched", "rows_fetched", "none_chunks", "empty_chunks", "fetch_errors",
-                                 "rows_taken", "batches_made", "batches", "rows", "rows_dropped", "wait_s")
+        self.counters = Counters("batches", "rows", "bytes", "wait_s")  # bumped by consumer threads
+        # Written only by the enqueuer thread, so plain ints suffice:
+        self._rows_taken = 0
+        self._rows_dropped = 0
+        self._batches_made = 0
         self._meter = RateMeter()
         self._next_report = 0.0
 
@@ -118,13 +121,15 @@ class Feed:
         name = self.input_source_name
         self._meter = RateMeter()
         self._next_report = self._meter.start + self.log_interval
+        coalesce = not self.dont_rebatch and not self.source.ordered
+        # Without a promised order, whole batches that fetchers assembled may overtake short pieces.
+        self._rebatcher.reorder = coalesce and not self.source.single_stream()
         for state in self._workers:
             t = threading.Thread(
                 target=fetch_loop, name=f"feeder:{name}:fetch-{state.worker_id}", daemon=True,
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
-                            validate=self._validate, batch_axes=self._axes, state=state,
-                            batch_size=lambda: self._batch_size, stop=self._stop, counters=self.counters,
-                            max_fetch_errors=self.max_fetch_errors))
+                            validator=self._validate, state=state, batch_size=lambda: self._batch_size,
+                            stop=self._stop, max_fetch_errors=self.max_fetch_errors, coalesce=coalesce))
             state.thread = t
         self._enqueuer_thread = threading.Thread(target=self._enqueue_loop, name=f"feeder:{name}:enqueue",
                                                  daemon=True)
@@ -178,13 +183,13 @@ class Feed:
             if item is END:
                 self._finish()
                 return
-            self.counters.add("rows_taken", item.rows)
+            self._rows_taken += item.rows
             self._inflight_rows = item.rows  # in this thread's hands: still counted as held
             if self.dont_rebatch:
                 if not self._emit(list(item.arrays), item.rows):
                     return
                 continue
-            rb.add(item.arrays)
+            rb.add(item.arrays, item.rows)
             self._inflight_rows = 0
             if not self._emit_full_batches():
                 return
@@ -205,7 +210,7 @@ class Feed:
         batch = PreparedBatch(self.input_names, arrays, rows)
         if self._runner is not None:
             self._runner.prepare(batch)
-        self.counters.add("batches_made")
+        self._batches_made += 1
         self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
         if not self._put_ready(batch):
             return False
@@ -232,7 +237,7 @@ class Feed:
             else:
                 nbytes = rb.pending_nbytes
                 n = rb.drop()
-                self.counters.add("rows_dropped", n)
+                self._rows_dropped += n
                 self.source.dropped(n, nbytes)
                 log.info("source %r: dropped the last %d rows (fewer than batch_size=%d; last_batch='drop')",
                          self.input_source_name, n, rb.batch_size)
@@ -287,7 +292,7 @@ class Feed:
                 if self.source.feed_reached_end():
                     self.source.check_ledger("end of data")
                 raise StopIteration
-            self.counters.add_many(batches=1, rows=item.rows, wait_s=time.monotonic() - start)
+            self.counters.add_many(batches=1, rows=item.rows, bytes=item.nbytes, wait_s=time.monotonic() - start)
             self.source.delivered(item.rows, item.nbytes)
             return item
 
@@ -318,12 +323,12 @@ class Feed:
 
     def _check_ledger(self, when: str) -> bool:
         """Rows this feed took from its source = rows delivered + dropped + still held. Never fails."""
-        c = self.counters.snapshot()
+        delivered = self.counters.get("rows")
         held = self._held_rows()
-        ok = c["rows_taken"] == c["rows"] + c["rows_dropped"] + held
+        ok = self._rows_taken == delivered + self._rows_dropped + held
         if not ok:
             log.error("source %r: row ledger does not balance at %s: taken %d != delivered %d + dropped %d + "
-                      "held %d", self.input_source_name, when, c["rows_taken"], c["rows"], c["rows_dropped"], held)
+                      "held %d", self.input_source_name, when, self._rows_taken, delivered, self._rows_dropped, held)
         return ok
 
     def _status_line(self) -> str:
@@ -362,11 +367,13 @@ class Feed:
             "batch_size": float(self._batch_size),
             "batches": c["batches"],
             "rows": c["rows"],
-            "chunks_fetched": c["chunks_fetched"],
-            "none_chunks": c["none_chunks"],
-            "empty_chunks": c["empty_chunks"],
-            "fetch_errors": c["fetch_errors"],
-            "rows_dropped": c["rows_dropped"],
+            "chunks_fetched": float(sum(w.chunks for w in self._workers)),
+            "rows_fetched": float(sum(w.rows for w in self._workers)),
+            "fetch_calls": float(sum(w.calls for w in self._workers)),
+            "none_chunks": float(sum(w.none_chunks for w in self._workers)),
+            "empty_chunks": float(sum(w.empty_chunks for w in self._workers)),
+            "fetch_errors": float(sum(w.fetch_errors for w in self._workers)),
+            "rows_dropped": float(self._rows_dropped),
             "consumer_wait_s": c["wait_s"],
             "live_workers": float(len(src.live_workers())),
             "uptime_s": now - self._meter.start if self._started else 0.0,
@@ -378,6 +385,9 @@ class Feed:
                                           - ledger["rows_discarded"]),
             "source_bytes_held": float(src.bytes_held),
             "buffer_allocations": float(self._ring.allocations),
+            "bytes_delivered": c["bytes"],
+            "bytes_copied": float(self._rebatcher.copied_bytes + sum(w.copied_bytes for w in self._workers)),
+            "zero_copy_batches": float(self._rebatcher.zero_copy_batches),
         }
         return m
 

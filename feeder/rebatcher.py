@@ -77,21 +77,26 @@ class BufferRing:
         return [np.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
 
     def take(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]) -> List[np.ndarray]:
+        """A buffer set of these shapes and dtypes that nobody else references."""
         key = (tuple(shapes), tuple(dtypes))
         if key != self._key:
             self._key, self._sets, self._next = key, [], 0
-        if len(self._sets) < self.size:
-            bufs = self._allocate(shapes, dtypes)
+        n = len(self._sets)
+        for i in range(n):  # oldest first: in FIFO consumption it is the likeliest to be free
+            slot = (self._next + i) % n
+            if not self._held(self._sets[slot]):
+                self._next = (slot + 1) % n
+                return list(self._sets[slot])  # a new list: holders must reference the arrays
+        bufs = self._allocate(shapes, dtypes)
+        if n < self.size:
             self._sets.append(bufs)
-            if len(self._sets) == 1:
+            if n == 0:
                 # Calibrate on a set nobody else can hold yet: what "free" reads as here.
                 self._free_refs = max(self._refs(self._sets[0], i) for i in range(len(bufs)))
-            return list(bufs)  # a new list: holders must reference the arrays, not our slot
-        slot = self._next
-        self._next = (slot + 1) % self.size
-        if self._held(self._sets[slot]):
-            self._sets[slot] = self._allocate(shapes, dtypes)
-        return list(self._sets[slot])
+        else:  # all held: the holders keep theirs, a fresh set takes the oldest slot
+            self._sets[self._next] = bufs
+            self._next = (self._next + 1) % n
+        return list(bufs)
 
 
 class Rebatcher:
@@ -101,13 +106,21 @@ class Rebatcher:
     input is cut at the same row positions, so rows of all inputs stay aligned.
 
     ``ring`` (optional) supplies reusable output buffers; without it every assembled
-    batch is freshly allocated (safe for callers that keep batches indefinitely).
+    batch is freshly allocated.
+
+    ``reorder=True`` lets a pending chunk that holds a whole batch go first, as a view,
+    ahead of smaller pieces received before it (which wait to be combined with later
+    ones). Rows then leave in a different order than they came, so it is only for sources
+    that promise no order; in exchange, batches that fetchers already assembled are
+    never copied a second time just because a short piece arrived before them.
     """
 
-    def __init__(self, batch_size: int, batch_axes: Sequence[int], ring: Optional[BufferRing] = None):
+    def __init__(self, batch_size: int, batch_axes: Sequence[int], ring: Optional[BufferRing] = None,
+                 reorder: bool = False):
         self._axes = tuple(int(a) for a in batch_axes)
         self._ring = ring
-        self._pending: Deque[Arrays] = deque()
+        self.reorder = reorder
+        self._pending: Deque[Tuple[int, Arrays]] = deque()  # (rows, arrays) of views not yet handed out
         self._pending_rows = 0
         self.batch_size = 0
         self.set_batch_size(batch_size)
@@ -123,7 +136,7 @@ class Rebatcher:
     @property
     def pending_nbytes(self) -> int:
         """Bytes of the pending rows (views of their chunks)."""
-        return sum(a.nbytes for piece in self._pending for a in piece)
+        return sum(a.nbytes for _, piece in self._pending for a in piece)
 
     def set_batch_size(self, batch_size: int) -> None:
         """Change the batch size; rows already pending are kept."""
@@ -131,22 +144,34 @@ class Rebatcher:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.batch_size = int(batch_size)
 
-    def add(self, arrays: Sequence[np.ndarray]) -> None:
-        """Append a chunk (one array per input, equal row counts). Empty chunks are ignored."""
-        if len(arrays) != len(self._axes):
-            raise ValueError(f"expected {len(self._axes)} arrays, got {len(arrays)}")
-        n = rows_of(arrays, self._axes)
-        for a, ax in zip(arrays, self._axes):
-            if a.shape[ax] != n:
-                raise ValueError(f"row counts differ between inputs: {a.shape[ax]} vs {n}")
-        if n:
-            self._pending.append(tuple(arrays))
-            self._pending_rows += n
+    def add(self, arrays: Sequence[np.ndarray], rows: Optional[int] = None) -> None:
+        """Append a chunk (one array per input, equal row counts). Empty chunks are ignored.
+
+        ``rows``, when the caller has already checked the chunk, skips the alignment check.
+        """
+        if rows is None:
+            if len(arrays) != len(self._axes):
+                raise ValueError(f"expected {len(self._axes)} arrays, got {len(arrays)}")
+            rows = rows_of(arrays, self._axes)
+            for a, ax in zip(arrays, self._axes):
+                if a.shape[ax] != rows:
+                    raise ValueError(f"row counts differ between inputs: {a.shape[ax]} vs {rows}")
+        if rows:
+            self._pending.append((rows, tuple(arrays)))
+            self._pending_rows += rows
 
     def pop(self) -> Optional[List[np.ndarray]]:
         """The next full batch, or None if fewer than ``batch_size`` rows are pending."""
         if self._pending_rows < self.batch_size:
             return None
+        if self.reorder and self._pending[0][0] < self.batch_size:
+            for i, (rows, _) in enumerate(self._pending):
+                if rows >= self.batch_size:
+                    self._pending.rotate(-i)  # bring the whole-batch piece to the front ...
+                    try:
+                        return self._cut(self.batch_size, use_ring=True)
+                    finally:
+                        self._pending.rotate(i)  # ... and put the waiting pieces back before it
         return self._cut(self.batch_size, use_ring=True)
 
     def flush(self) -> Optional[List[np.ndarray]]:
@@ -154,6 +179,20 @@ class Rebatcher:
         if not self._pending_rows:
             return None
         return self._cut(self._pending_rows, use_ring=False)
+
+    def take_pieces(self, limit: Optional[int] = None) -> List[Tuple[int, Arrays]]:
+        """Hand back up to ``limit`` pending rows (all by default), uncopied, as (rows, arrays) views
+        in order; a piece that straddles the limit is split there."""
+        limit = self._pending_rows if limit is None else min(limit, self._pending_rows)
+        pieces = []
+        while limit > 0:
+            rows, piece = self._pending[0]
+            k = min(rows, limit)
+            pieces.append((k, piece if k == rows else tuple(take_rows(a, ax, 0, k)
+                                                             for a, ax in zip(piece, self._axes))))
+            self._consume_front(k, rows, piece)
+            limit -= k
+        return pieces
 
     def drop(self) -> int:
         """Discard all pending rows; returns how many were discarded."""
@@ -164,36 +203,50 @@ class Rebatcher:
 
     def _cut(self, n: int, use_ring: bool) -> List[np.ndarray]:
         axes = self._axes
-        first = self._pending[0]
-        first_rows = rows_of(first, axes)
+        pending = self._pending
+        first_rows, first = pending[0]
         if first_rows >= n:
-            views = [take_rows(a, ax, 0, n) for a, ax in zip(first, axes)]
+            if first_rows == n:
+                views = list(first)
+            else:
+                views = [take_rows(a, ax, 0, n) for a, ax in zip(first, axes)]
             if all(v.flags.c_contiguous for v in views):
                 self._consume_front(n, first_rows, first)
                 self.zero_copy_batches += 1
                 return views
-        shapes = [_batch_shape(a, ax, n) for a, ax in zip(first, axes)]
-        dtypes = [a.dtype for a in first]
+        # Gather views of the rows of this batch, then one concatenate per input into the
+        # output buffer: each byte is copied exactly once, in C, whatever the number of pieces.
+        parts: List[List[np.ndarray]] = [[] for _ in axes]
+        pos = 0
+        while pos < n:
+            rows, piece = pending[0]
+            k = min(rows, n - pos)
+            if k == rows:
+                views = piece
+            else:
+                views = [take_rows(a, ax, 0, k) for a, ax in zip(piece, axes)]
+            for part, v in zip(parts, views):
+                part.append(v)
+            self._consume_front(k, rows, piece)
+            pos += k
+        shapes = [_batch_shape(p[0], ax, n) for p, ax in zip(parts, axes)]
+        dtypes = [p[0].dtype for p in parts]
         if use_ring and self._ring is not None:
             out = self._ring.take(shapes, dtypes)
         else:
-            out = [np.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
-        pos = 0
-        while pos < n:
-            piece = self._pending[0]
-            piece_rows = rows_of(piece, axes)
-            k = min(piece_rows, n - pos)
-            for dst, src, ax in zip(out, piece, axes):
-                np.copyto(take_rows(dst, ax, pos, pos + k), take_rows(src, ax, 0, k))
-            self._consume_front(k, piece_rows, piece)
-            pos += k
+            out = [np.empty(sh, dtype=d) for sh, d in zip(shapes, dtypes)]
+        for dst, part, ax in zip(out, parts, axes):
+            if len(part) == 1:
+                np.copyto(dst, part[0])
+            else:
+                np.concatenate(part, axis=ax, out=dst)
         self.copied_bytes += sum(o.nbytes for o in out)
         self.copied_batches += 1
         return out
 
-    def _consume_front(self, k: int, piece_rows: int, piece: Arrays) -> None:
-        if k == piece_rows:
+    def _consume_front(self, k: int, rows: int, piece: Arrays) -> None:
+        if k == rows:
             self._pending.popleft()
         else:
-            self._pending[0] = tuple(take_rows(a, ax, k, piece_rows) for a, ax in zip(piece, self._axes))
+            self._pending[0] = (rows - k, tuple(take_rows(a, ax, k, rows) for a, ax in zip(piece, self._axes)))
         self._pending_rows -= k

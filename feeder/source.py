@@ -239,6 +239,11 @@ class ChunkQueue:
         with self._lock:
             self._holders.append(held_rows)
 
+    def single_stream(self) -> bool:
+        """One worker and one feed: that feed sees exactly that worker's chunks, in order."""
+        with self._lock:
+            return len(self._workers) == 1 and len(self._holders) == 1
+
     def feed_reached_end(self) -> bool:
         """A feed handed out its end of data; True when it was the last feed of the source to do so."""
         with self._lock:

@@ -2,6 +2,21 @@
 
 The loop is a module-level function with explicit arguments (after torchdata's
 ``_populate_queue``) so it can be driven without the feed that owns it.
+
+Coalescing: a fast ``fetch_fun`` returning tiny chunks would otherwise cost one queue
+round trip, one wake-up of the enqueuer and one copy call per chunk, all under the GIL.
+When calls are fast, each fetcher therefore cuts its own chunks into whole batches (one
+``np.concatenate`` per input, into a buffer it reuses) and puts those; the enqueuer then
+hands them on without copying, so every byte is still copied once. Rows wait in a fetcher
+at most ``COALESCE_HOLD_S``, and not at all when a call is slow (the per-chunk overhead
+does not matter then). Off for ``ordered`` sources (their chunk sequence is the contract)
+and for ``dont_rebatch``.
+
+Rows put uncoalesced (after a hold or a slow call) would shift the enqueuer's batch
+boundaries, and every later assembled batch would be cut apart and copied again. With
+several workers or feeds the enqueuer avoids that by letting whole batches go first (no
+order is promised there); with one worker and one feed, where rows keep their order, the
+fetcher instead puts raw rows up to the next batch boundary before it coalesces again.
 """
 from __future__ import annotations
 
@@ -10,29 +25,35 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
-from .errors import Failure, FetchError, InputValidationError, FeederError
-from .metrics import Counters
-from .rebatcher import rows_of
+from .chunks import ChunkValidator
+from .errors import Failure, FeederError, FetchError, InputValidationError
+from .rebatcher import BufferRing, Rebatcher
 from .source import CLOSED, Chunk, ChunkQueue
 
 log = logging.getLogger("feeder")
 
-SLICE_S = 0.05  # longest single wait, so a stop is seen within this many seconds
+SLICE_S = 0.05            # longest single wait, so a stop is seen within this many seconds
+COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putting them as they are
+COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
+COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
 
 
 class WorkerState:
-    """What one fetcher is doing, for timeouts' diagnoses and stop()'s straggler report."""
+    """What one fetcher is doing and has done. Written only by its own thread (so its counters
+    need no lock); read by timeouts' diagnoses, metrics and stop()'s straggler report."""
 
-    __slots__ = ("worker_id", "thread", "state", "since", "calls")
+    __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "none_chunks",
+                 "empty_chunks", "fetch_errors", "copied_bytes")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
         self.thread: Optional[threading.Thread] = None
         self.state = "not started"
         self.since = time.monotonic()
-        self.calls = 0
+        self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
+        self.copied_bytes = 0  # bytes this fetcher copied while coalescing
 
     def set(self, state: str) -> None:
         self.state = state
@@ -58,26 +79,58 @@ def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
     return "; stack (innermost last):\n" + "".join("    " + ln.replace("\n", "\n    ").rstrip(" ") for ln in lines)
 
 
+def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
+    """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile."""
+    put = source.put(chunk, SLICE_S)
+    if put is True:
+        return True
+    state.set("waiting for queue space")
+    while put is not True:
+        if put is CLOSED or stop.is_set() or source.failure is not None:
+            return False
+        put = source.put(chunk, SLICE_S)
+    return True
+
+
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
-               validate: Callable[[Any, int], tuple], batch_axes: tuple, state: WorkerState,
-               batch_size: Callable[[], int], stop: threading.Event, counters: Counters,
-               max_fetch_errors: int) -> None:
+               validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
+               stop: threading.Event, max_fetch_errors: int, coalesce: bool) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure."""
     wid = state.worker_id
+    rb = Rebatcher(batch_size(), validator.axes, BufferRing(COALESCE_RING)) if coalesce else None
+    held_since = 0.0
+    realign = coalesce and source.single_stream()
+    offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
+
+    def put_pending(limit: Optional[int] = None) -> bool:
+        """Put (up to ``limit`` of) the rows a coalescing fetcher holds, uncopied: the enqueuer
+        copies them once."""
+        nonlocal offset
+        for rows, arrays in rb.take_pieces(limit):
+            if not _put(source, Chunk(wid, arrays, rows), state, stop):
+                return False
+            offset = (offset + rows) % rb.batch_size
+        return True
+
     try:
         while not stop.is_set() and source.failure is None:
+            if rb is not None and rb.pending_rows and time.monotonic() - held_since > COALESCE_HOLD_S:
+                if not put_pending():
+                    return
             state.set("in fetch_fun")
             state.calls += 1
             try:
                 raw = fetch_fun(wid, batch_size())
             except StopIteration:
+                if rb is not None and not put_pending():
+                    return
                 state.set("ended (StopIteration)")
                 source.worker_ended(wid)
                 return
             except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
                 if stop.is_set():
                     return
-                counters.add("fetch_errors")
+                state.fetch_errors += 1
                 n = source.note_fetch_error()
                 if isinstance(e, Exception) and n <= max_fetch_errors:
                     log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
@@ -89,32 +142,45 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.set("failed")
                 source.fail(Failure(FetchError(msg), e))
                 return
+            call_s = time.monotonic() - state.since
             if raw is None:
-                counters.add("none_chunks")
+                state.none_chunks += 1
                 log.warning("source %r worker %d: fetch_fun returned None; skipped", source_name, wid)
                 continue
-            state.set("validating")
             try:
-                arrays = validate(raw, wid)
+                arrays, rows = validator.check(raw, wid)
             except InputValidationError as e:
                 state.set("failed")
                 source.fail(Failure(e))
                 return
-            rows = rows_of(arrays, batch_axes)
             if rows == 0:
-                counters.add("empty_chunks")
+                state.empty_chunks += 1
                 log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
                             source_name, wid)
                 continue
-            chunk = Chunk(wid, arrays, rows)
-            state.set("waiting for queue space")
-            while True:
-                put = source.put(chunk, SLICE_S)
-                if put is True:
-                    break
-                if put is CLOSED or stop.is_set() or source.failure is not None:
+            state.chunks += 1
+            state.rows += rows
+            if rb is None:
+                if not _put(source, Chunk(wid, arrays, rows), state, stop):
                     return
-            counters.add_many(chunks_fetched=1, rows_fetched=rows)
+                continue
+            bs = batch_size()
+            if bs != rb.batch_size:
+                rb.set_batch_size(bs)
+                realign = False  # the enqueuer's boundaries moved: alignment is no longer known
+            if not rb.pending_rows:
+                held_since = time.monotonic()
+            rb.add(arrays, rows)
+            if realign and offset and rb.pending_rows >= bs - offset:
+                if not put_pending(bs - offset):
+                    return
+            while not (realign and offset) and (batch := rb.pop()) is not None:
+                state.copied_bytes = rb.copied_bytes
+                if not _put(source, Chunk(wid, tuple(batch), rb.batch_size), state, stop):
+                    return
+                held_since = time.monotonic()
+            if rb.pending_rows and call_s > COALESCE_SLOW_CALL_S and not put_pending():
+                return
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
         state.set("failed")
         source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "

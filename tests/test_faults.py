@@ -197,7 +197,7 @@ def test_enqueuer_failure_reaches_the_consumer(coord):
     feed = coord.feed("train")
     oom = MemoryError("cannot allocate batch")
 
-    def broken_add(arrays):
+    def broken_add(arrays, rows=None):
         raise oom
 
     feed._rebatcher.add = broken_add

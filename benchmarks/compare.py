@@ -1,0 +1,288 @@
+"""Side-by-side throughput of feeder and what users would otherwise pick (issue 5).
+
+Runs every scenario with every peer in one process run, prints a table of rows/s with the
+ratios feeder/peer, and writes the same as JSON. Ratios, not absolute numbers, are what
+carry over between machines: everything here runs on the same cores at the same time.
+
+    python benchmarks/compare.py                  # everything, about 3-4 minutes on 2 cores
+    python benchmarks/compare.py --scenarios a b  --seconds 1 --repeat 1
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import feeder  # noqa: E402
+from peers import SeedFeeder, serial_batches, torch_loader  # noqa: E402
+
+
+# ---- workloads -------------------------------------------------------------------------------
+class PoolFetch:
+    """A fetch function returning ``min_rows..max_rows`` consecutive rows of a preallocated pool
+    (so that fetching itself is nearly free and the feeding machinery is what is measured),
+    after ``sleep_s`` seconds of I/O-like waiting."""
+
+    def __init__(self, row_shape, min_rows: int, max_rows: int, sleep_s: float = 0.0, pool_rows: int = 4096):
+        rng = np.random.default_rng(0)
+        self.pool = rng.standard_normal((pool_rows,) + tuple(row_shape), dtype=np.float32)
+        self.min_rows, self.max_rows, self.sleep_s = min_rows, max_rows, sleep_s
+        self.rows_per_fetch = (min_rows + max_rows) / 2
+
+    def __call__(self, worker_id: int, batch_size: int):
+        n = random.randint(self.min_rows, self.max_rows)
+        start = random.randrange(0, len(self.pool) - n)
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return [self.pool[start:start + n]]
+
+
+def mlp_model(in_dim: int, hidden: int, out_dim: int) -> bytes:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    shapes = (("W1", (in_dim, hidden)), ("b1", (hidden,)), ("W2", (hidden, hidden)), ("b2", (hidden,)),
+              ("W3", (hidden, out_dim)), ("b3", (out_dim,)))
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.05, n) for n, s in shapes]
+    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h1"]), helper.make_node("Relu", ["h1"], ["r1"]),
+             helper.make_node("Gemm", ["r1", "W2", "b2"], ["h2"]), helper.make_node("Relu", ["h2"], ["r2"]),
+             helper.make_node("Gemm", ["r2", "W3", "b3"], ["y"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", in_dim])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", out_dim])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def make_session(model: bytes, spinning: bool = False):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if not spinning:
+        opts.intra_op_num_threads = 1  # the recommended setting on small machines
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+@dataclass
+class Scenario:
+    key: str
+    title: str
+    fetch: PoolFetch
+    batch_size: int
+    workers: int = 2
+    model: Optional[bytes] = None
+    spinning: bool = False
+    targets: Dict[str, float] = field(default_factory=dict)  # peer -> minimum feeder/peer ratio
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fetch.pool[0].nbytes
+
+    def fetch_capacity(self) -> Optional[float]:
+        if not self.fetch.sleep_s:
+            return None
+        return self.workers * self.fetch.rows_per_fetch / self.fetch.sleep_s
+
+
+def scenarios() -> List[Scenario]:
+    mlp = mlp_model(256, 1024, 10)
+    return [
+        Scenario("a", "tiny chunks: 1-8 rows of 256 float32, batch 256, no model", PoolFetch((256,), 1, 8), 256,
+                 targets={"seed": 5.0, "torch": 2.0}),
+        Scenario("b", "large rows: 64-row chunks of 3x64x64 float32, batch 128, no model",
+                 PoolFetch((3, 64, 64), 64, 64, pool_rows=1024), 128, targets={"memcpy": 0.7, "torch": 3.0}),
+        Scenario("c", "fetch-bound: 64 rows of 256 float32 per 5 ms fetch, 2 workers, batch 128, no model",
+                 PoolFetch((256,), 64, 64, sleep_s=0.005), 128, targets={"fetch capacity": 0.95}),
+        Scenario("d", "model-bound: 1-64 rows of 256 float32, MLP 256-1024-1024-10 (1 intra-op thread), batch 256",
+                 PoolFetch((256,), 1, 64), 256, model=mlp, targets={"model alone": 0.95}),
+        Scenario("d-spin", "as d, but the session left at ORT defaults (intra-op pool of 2, spinning)",
+                 PoolFetch((256,), 1, 64), 256, model=mlp, spinning=True),
+    ]
+
+
+# ---- measurement -------------------------------------------------------------------------------
+def timed(batches: Iterator, seconds: float, consume: Callable, warmup: int = 3) -> float:
+    """Rows per second over ``seconds`` of consuming ``batches`` after ``warmup`` batches."""
+    for _ in range(warmup):
+        consume(next(batches))
+    rows = 0
+    t0 = time.perf_counter()
+    while True:
+        rows += consume(next(batches))
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return rows / elapsed
+
+
+def consumer(sc: Scenario, session) -> Callable:
+    if session is None:
+        return lambda batch: len(batch[0])
+    name = session.get_inputs()[0].name
+
+    def run(batch):
+        x = batch[0] if isinstance(batch, list) else batch.numpy()
+        session.run(None, {name: x})
+        return len(x)
+    return run
+
+
+def peer_feeder(sc: Scenario, seconds: float) -> float:
+    session = make_session(sc.model, sc.spinning) if sc.model else None
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, num_worker_threads=sc.workers,
+                                   coordinator=coord, timeout=60)
+    with coord:
+        feed = coord.feed("train")
+        if session is None:
+            batches = iter(lambda: feed.next_batch(), None)
+            return timed(batches, seconds, lambda b: len(b["x"]))
+        bs = sc.batch_size
+        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs)
+
+
+def peer_serial(sc: Scenario, seconds: float) -> float:
+    session = make_session(sc.model, sc.spinning) if sc.model else None
+    return timed(serial_batches(sc.fetch, sc.batch_size), seconds, consumer(sc, session))
+
+
+def peer_seed(sc: Scenario, seconds: float) -> float:
+    session = make_session(sc.model, sc.spinning) if sc.model else None
+    seed = SeedFeeder(sc.fetch, sc.batch_size, sc.workers).start()
+    try:
+        return timed(seed.batches(), seconds, consumer(sc, session))
+    finally:
+        seed.stop()
+
+
+def peer_torch(sc: Scenario, seconds: float) -> float:
+    session = make_session(sc.model, sc.spinning) if sc.model else None
+    loader = torch_loader(sc.fetch, sc.batch_size, num_workers=sc.workers)
+    it = iter(loader)
+    try:
+        return timed(it, seconds, consumer(sc, session), warmup=5)
+    finally:
+        del it  # shuts the worker processes down
+
+
+def limit_memcpy(sc: Scenario, seconds: float) -> float:
+    """Copying each batch's bytes once from chunk-sized pieces into a preallocated batch."""
+    dst = np.empty((sc.batch_size,) + sc.fetch.pool.shape[1:], np.float32)
+
+    def batches():
+        while True:
+            pos = 0
+            while pos < sc.batch_size:
+                n = min(sc.batch_size - pos, random.randint(sc.fetch.min_rows, sc.fetch.max_rows))
+                start = random.randrange(0, len(sc.fetch.pool) - n)
+                np.copyto(dst[pos:pos + n], sc.fetch.pool[start:start + n])
+                pos += n
+            yield [dst]
+
+    return timed(batches(), seconds, lambda b: sc.batch_size)
+
+
+def limit_model(sc: Scenario, seconds: float) -> float:
+    session = make_session(sc.model, sc.spinning)
+    ready = [sc.fetch.pool[i * sc.batch_size:(i + 1) * sc.batch_size] for i in range(8)]
+    return timed(iter(lambda: [ready[random.randrange(8)]], None), seconds, consumer(sc, session))
+
+
+PEERS = {"feeder": peer_feeder, "serial": peer_serial, "seed": peer_seed, "torch": peer_torch}
+
+
+def best_of(fn: Callable[[Scenario, float], float], sc: Scenario, seconds: float, repeat: int) -> float:
+    return max(fn(sc, seconds) for _ in range(repeat))
+
+
+def run(args) -> dict:
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+        print("torch is not installed: the DataLoader peer is skipped (pip install torch==2.13.0)", file=sys.stderr)
+    results = {}
+    for sc in scenarios():
+        if args.scenarios and sc.key not in args.scenarios:
+            continue
+        r: Dict[str, float] = {}
+        for name, fn in PEERS.items():
+            if name == "torch" and not have_torch:
+                continue
+            r[name] = best_of(fn, sc, args.seconds, args.repeat)
+            print(f"  {sc.key:7s} {name:14s} {r[name]:14,.0f} rows/s", file=sys.stderr, flush=True)
+        if sc.model is None:
+            r["memcpy"] = best_of(limit_memcpy, sc, args.seconds, args.repeat)
+        else:
+            r["model alone"] = best_of(limit_model, sc, args.seconds, args.repeat)
+        if sc.fetch_capacity():
+            r["fetch capacity"] = sc.fetch_capacity()
+        ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v}
+        checks = {peer: {"ratio": ratios[peer], "target": t, "met": ratios[peer] >= t}
+                  for peer, t in sc.targets.items() if peer in ratios}
+        results[sc.key] = {"title": sc.title, "rows_per_s": r, "feeder_over": ratios, "targets": checks,
+                           "batch_bytes": sc.batch_size * sc.row_bytes}
+    return results
+
+
+def table(results: dict) -> str:
+    cols = ["feeder", "serial", "seed", "torch", "memcpy", "model alone", "fetch capacity"]
+    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | feeder / peer | targets |",
+             "|---" * (len(cols) + 3) + "|"]
+    for key, res in results.items():
+        r = res["rows_per_s"]
+        cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
+        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res["feeder_over"].items())
+        targets = ", ".join(f"{p} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
+                            for p, c in res["targets"].items()) or "-"
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {targets} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin")
+    p.add_argument("--seconds", type=float, default=2.0, help="measuring time per peer and repeat")
+    p.add_argument("--repeat", type=int, default=2, help="runs per peer; the best is kept")
+    p.add_argument("--json", default=os.path.join(HERE, "results", "compare.json"))
+    args = p.parse_args()
+    t0 = time.monotonic()
+    results = run(args)
+    meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "python": platform.python_version(), "numpy": np.__version__, "seconds": args.seconds,
+            "repeat": args.repeat, "wall_s": round(time.monotonic() - t0, 1)}
+    try:
+        import onnxruntime
+        meta["onnxruntime"] = onnxruntime.__version__
+        import torch
+        meta["torch"] = torch.__version__
+    except ImportError:
+        pass
+    print(f"\n{meta}\n")
+    for key, res in results.items():
+        print(f"{key}: {res['title']}")
+    print()
+    print(table(results))
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
