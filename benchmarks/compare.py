@@ -115,9 +115,13 @@ def scenarios() -> List[Scenario]:
 
 
 # ---- measurement -------------------------------------------------------------------------------
-def timed(batches: Iterator, seconds: float, consume: Callable, warmup: int = 3) -> float:
-    """Rows per second over ``seconds`` of consuming ``batches`` after ``warmup`` batches."""
+def timed(batches: Iterator, seconds: float, consume: Callable, warmup: int = 3, warmup_s: float = 0.5) -> float:
+    """Rows per second over ``seconds`` of consuming ``batches``, after ``warmup`` batches and at
+    least ``warmup_s`` seconds (threads and worker processes started, queues filled)."""
+    t0 = time.perf_counter()
     for _ in range(warmup):
+        consume(next(batches))
+    while time.perf_counter() - t0 < warmup_s:
         consume(next(batches))
     rows = 0
     t0 = time.perf_counter()

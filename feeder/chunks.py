@@ -77,7 +77,7 @@ class ChunkValidator:
             other = spec.shape[:ax] + spec.shape[ax + 1:]
             if any(d is None for d in other):
                 return
-            fast.append((spec.dtype, ax, len(spec.shape), other))
+            fast.append((spec.dtype, ax, other, len(spec.shape)))
         self._fast = fast
 
     def check(self, chunk: Any, worker_id: int) -> Tuple[Tuple[np.ndarray, ...], int]:
@@ -85,11 +85,16 @@ class ChunkValidator:
         fast = self._fast
         if fast is not None and type(chunk) in (list, tuple) and len(chunk) == len(fast):
             rows = -1
-            for a, (dtype, ax, ndim, other) in zip(chunk, fast):
-                if type(a) is not np.ndarray or a.dtype != dtype or a.ndim != ndim:
+            for a, (dtype, ax, other, ndim) in zip(chunk, fast):
+                # dtype identity (not equality) keeps this cheap; an equal but distinct dtype
+                # object just takes the full path below
+                if type(a) is not np.ndarray or a.dtype is not dtype:
                     break
                 shape = a.shape
-                if (shape[1:] if ax == 0 else shape[:ax] + shape[ax + 1:]) != other:
+                if ax == 0:
+                    if shape[1:] != other:
+                        break
+                elif len(shape) != ndim or shape[:ax] + shape[ax + 1:] != other:
                     break
                 if rows < 0:
                     rows = shape[ax]

@@ -70,7 +70,10 @@ class BufferRing:
         return sys.getrefcount(bufs[i])
 
     def _held(self, bufs: List[np.ndarray]) -> bool:
-        return any(self._refs(bufs, i) > self._free_refs for i in range(len(bufs)))
+        for i in range(len(bufs)):
+            if self._refs(bufs, i) > self._free_refs:
+                return True
+        return False
 
     def _allocate(self, shapes, dtypes) -> List[np.ndarray]:
         self.allocations += 1
@@ -214,21 +217,23 @@ class Rebatcher:
                 self._consume_front(n, first_rows, first)
                 self.zero_copy_batches += 1
                 return views
-        # Gather views of the rows of this batch, then one concatenate per input into the
-        # output buffer: each byte is copied exactly once, in C, whatever the number of pieces.
-        parts: List[List[np.ndarray]] = [[] for _ in axes]
-        pos = 0
-        while pos < n:
+        # Gather the pieces of this batch (whole chunks, plus a view of the one that straddles the
+        # boundary), then one concatenate per input into the output buffer: each byte is copied
+        # exactly once, in C, and the Python work per piece is a pop and an append.
+        pieces = []
+        need = n
+        while need:
             rows, piece = pending[0]
-            k = min(rows, n - pos)
-            if k == rows:
-                views = piece
+            if rows <= need:
+                pending.popleft()
+                pieces.append(piece)
+                need -= rows
             else:
-                views = [take_rows(a, ax, 0, k) for a, ax in zip(piece, axes)]
-            for part, v in zip(parts, views):
-                part.append(v)
-            self._consume_front(k, rows, piece)
-            pos += k
+                pieces.append(tuple(take_rows(a, ax, 0, need) for a, ax in zip(piece, axes)))
+                pending[0] = (rows - need, tuple(take_rows(a, ax, need, rows) for a, ax in zip(piece, axes)))
+                need = 0
+        self._pending_rows -= n
+        parts = list(zip(*pieces))  # per input
         shapes = [_batch_shape(p[0], ax, n) for p, ax in zip(parts, axes)]
         dtypes = [p[0].dtype for p in parts]
         if use_ring and self._ring is not None:

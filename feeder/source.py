@@ -45,15 +45,21 @@ CLOSED = _Marker("CLOSED")  # the queue was closed by stop()
 
 
 class Chunk:
-    """One validated chunk in flight: arrays in input order, their row count and bytes."""
+    """One validated chunk in flight: arrays in input order, their row count and bytes.
 
-    __slots__ = ("worker_id", "arrays", "rows", "nbytes")
+    ``slots`` is how many of ``fetch_fun``'s chunks it stands for (a fetcher may coalesce
+    several into one batch); the queue's bound counts those, so coalescing never lets a
+    source buffer more than ``max_buffered_batches`` of the chunks the user returns.
+    """
 
-    def __init__(self, worker_id: int, arrays: Tuple[np.ndarray, ...], rows: int):
+    __slots__ = ("worker_id", "arrays", "rows", "nbytes", "slots")
+
+    def __init__(self, worker_id: int, arrays: Tuple[np.ndarray, ...], rows: int, slots: int = 1):
         self.worker_id = worker_id
         self.arrays = arrays
         self.rows = rows
         self.nbytes = sum(a.nbytes for a in arrays)
+        self.slots = slots
 
 
 class ChunkQueue:
@@ -134,7 +140,7 @@ class ChunkQueue:
             else:
                 self._items.append(chunk)
                 self._not_empty.notify()
-            self.queued_chunks += 1
+            self.queued_chunks += chunk.slots
             self.queued_rows += chunk.rows
             self.rows_fetched += chunk.rows
             self.bytes_held += chunk.nbytes
@@ -148,7 +154,8 @@ class ChunkQueue:
         if self.ordered:
             cap = max(1, self.maxsize // max(1, len(self._workers)))
             return len(self._per_worker[chunk.worker_id]) < cap
-        return len(self._items) < self.maxsize
+        # A chunk standing for more slots than the whole queue has still goes through alone.
+        return not self._items or self.queued_chunks + chunk.slots <= self.maxsize
 
     def worker_ended(self, worker_id: int) -> None:
         """Record that a worker raised StopIteration (after its last put)."""
@@ -181,7 +188,7 @@ class ChunkQueue:
                 item = self._next_ordered() if self.ordered else self._next_fifo()
                 if item is not EMPTY:
                     if item is not END:
-                        self.queued_chunks -= 1
+                        self.queued_chunks -= item.slots
                         self.queued_rows -= item.rows
                         if self.ordered:
                             self._not_full.notify_all()
@@ -294,7 +301,7 @@ class ChunkQueue:
             return self._all_ended()
 
     def qsize(self) -> int:
-        """Chunks waiting in the queue."""
+        """Chunks waiting in the queue, counted as fetch_fun returned them."""
         return self.queued_chunks
 
     def empty(self) -> bool:

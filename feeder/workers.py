@@ -38,6 +38,7 @@ SLICE_S = 0.05            # longest single wait, so a stop is seen within this m
 COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putting them as they are
 COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
 COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
+IN_FETCH = "in fetch_fun"
 
 
 class WorkerState:
@@ -63,7 +64,7 @@ class WorkerState:
         """One line (plus stack lines when stuck in fetch_fun for ``stack_after_s`` seconds or more)."""
         busy = now - self.since
         text = f"worker {self.worker_id} {self.state} for {busy:.1f} s (call #{self.calls})"
-        if self.state == "in fetch_fun" and busy >= stack_after_s:
+        if self.state == IN_FETCH and busy >= stack_after_s:
             text += stack_of(self.thread, frames)
         return text
 
@@ -98,29 +99,35 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure."""
     wid = state.worker_id
     rb = Rebatcher(batch_size(), validator.axes, BufferRing(COALESCE_RING)) if coalesce else None
-    held_since = 0.0
+    held_since = 0.0  # when the oldest row the coalescer holds arrived (monotonic s); 0.0: holds none
     realign = coalesce and source.single_stream()
     offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
+    unput = 0   # chunks added to the coalescer since the last put: the queue slots a batch stands for
 
     def put_pending(limit: Optional[int] = None) -> bool:
         """Put (up to ``limit`` of) the rows a coalescing fetcher holds, uncopied: the enqueuer
         copies them once."""
-        nonlocal offset
+        nonlocal offset, unput
+        unput = 0
         for rows, arrays in rb.take_pieces(limit):
             if not _put(source, Chunk(wid, arrays, rows), state, stop):
                 return False
             offset = (offset + rows) % rb.batch_size
         return True
 
+    monotonic = time.monotonic
+    check = validator.check
     try:
         while not stop.is_set() and source.failure is None:
-            if rb is not None and rb.pending_rows and time.monotonic() - held_since > COALESCE_HOLD_S:
+            if held_since and monotonic() - held_since > COALESCE_HOLD_S:
+                held_since = 0.0
                 if not put_pending():
                     return
-            state.set("in fetch_fun")
+            bs = batch_size()
+            state.state, state.since = IN_FETCH, monotonic()  # what a FeedTimeout diagnosis reports
             state.calls += 1
             try:
-                raw = fetch_fun(wid, batch_size())
+                raw = fetch_fun(wid, bs)
             except StopIteration:
                 if rb is not None and not put_pending():
                     return
@@ -142,13 +149,13 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.set("failed")
                 source.fail(Failure(FetchError(msg), e))
                 return
-            call_s = time.monotonic() - state.since
+            now = monotonic()
             if raw is None:
                 state.none_chunks += 1
                 log.warning("source %r worker %d: fetch_fun returned None; skipped", source_name, wid)
                 continue
             try:
-                arrays, rows = validator.check(raw, wid)
+                arrays, rows = check(raw, wid)
             except InputValidationError as e:
                 state.set("failed")
                 source.fail(Failure(e))
@@ -164,23 +171,36 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 if not _put(source, Chunk(wid, arrays, rows), state, stop):
                     return
                 continue
-            bs = batch_size()
             if bs != rb.batch_size:
                 rb.set_batch_size(bs)
                 realign = False  # the enqueuer's boundaries moved: alignment is no longer known
-            if not rb.pending_rows:
-                held_since = time.monotonic()
+            if not held_since:
+                held_since = now
             rb.add(arrays, rows)
-            if realign and offset and rb.pending_rows >= bs - offset:
+            unput += 1
+            pending = rb.pending_rows
+            if pending < bs:
+                if now - state.since > COALESCE_SLOW_CALL_S:  # a slow source: put rows as they come
+                    held_since = 0.0
+                    if not put_pending():
+                        return
+                continue
+            if realign and offset:
                 if not put_pending(bs - offset):
                     return
-            while not (realign and offset) and (batch := rb.pop()) is not None:
+                if rb.pending_rows < bs:
+                    held_since = monotonic() if rb.pending_rows else 0.0
+                    continue
+            while (batch := rb.pop()) is not None:
                 state.copied_bytes = rb.copied_bytes
-                if not _put(source, Chunk(wid, tuple(batch), rb.batch_size), state, stop):
+                slots, unput = max(1, unput), 0
+                if not _put(source, Chunk(wid, tuple(batch), bs, slots), state, stop):
                     return
-                held_since = time.monotonic()
-            if rb.pending_rows and call_s > COALESCE_SLOW_CALL_S and not put_pending():
-                return
+            held_since = monotonic() if rb.pending_rows else 0.0
+            if held_since and now - state.since > COALESCE_SLOW_CALL_S:
+                held_since = 0.0
+                if not put_pending():
+                    return
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
         state.set("failed")
         source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "

@@ -127,7 +127,7 @@ def folder(tmp_path):
         "module.py": PYTHON, "data.json": JSON, "page.html": HTML, "prog.c": C, "notes.txt": TEXT,
         "README.md": MARKDOWN,
         "big.py": PYTHON * 40,                      # > block_size: beginning and end read separately
-        "padded.py": "\n" * 5000 + PYTHON + " \t\n" * 3000,  # whitespace stripped at both ends
+        "padded.py": "\n\t " * 300 + PYTHON + " \t\n\r" * 900,  # whitespace stripped at both ends
         "mostly_blank.txt": "\n" * 5000 + "x = 1\n",  # < 8 bytes left after lstrip: no model
     }
     for name, text in files.items():
