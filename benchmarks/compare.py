@@ -132,9 +132,14 @@ def timed(batches: Iterator, seconds: float, consume: Callable, warmup: int = 3,
             return rows / elapsed
 
 
+def batch_rows(batch) -> int:
+    """Rows in a batch: a list of arrays (feeder's peers) or a torch tensor (the DataLoader)."""
+    return len(batch[0]) if isinstance(batch, list) else int(batch.shape[0])
+
+
 def consumer(sc: Scenario, session) -> Callable:
     if session is None:
-        return lambda batch: len(batch[0])
+        return batch_rows
     name = session.get_inputs()[0].name
 
     def run(batch):
@@ -225,7 +230,7 @@ def run(args) -> dict:
             continue
         r: Dict[str, float] = {}
         for name, fn in PEERS.items():
-            if name == "torch" and not have_torch:
+            if (name == "torch" and not have_torch) or (args.peers and name not in args.peers):
                 continue
             r[name] = best_of(fn, sc, args.seconds, args.repeat)
             print(f"  {sc.key:7s} {name:14s} {r[name]:14,.0f} rows/s", file=sys.stderr, flush=True)
@@ -235,7 +240,7 @@ def run(args) -> dict:
             r["model alone"] = best_of(limit_model, sc, args.seconds, args.repeat)
         if sc.fetch_capacity():
             r["fetch capacity"] = sc.fetch_capacity()
-        ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v}
+        ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v and "feeder" in r}
         checks = {peer: {"ratio": ratios[peer], "target": t, "met": ratios[peer] >= t}
                   for peer, t in sc.targets.items() if peer in ratios}
         results[sc.key] = {"title": sc.title, "rows_per_s": r, "feeder_over": ratios, "targets": checks,
@@ -260,6 +265,7 @@ def table(results: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin")
+    p.add_argument("--peers", nargs="*", help="subset of: feeder serial seed torch (limits always run)")
     p.add_argument("--seconds", type=float, default=2.0, help="measuring time per peer and repeat")
     p.add_argument("--repeat", type=int, default=2, help="runs per peer; the best is kept")
     p.add_argument("--json", default=os.path.join(HERE, "results", "compare.json"))

@@ -29,7 +29,7 @@ from .workers import SLICE_S, WorkerState, fetch_loop, stack_of
 
 log = logging.getLogger("feeder")
 
-READY_BATCHES = 4      # depth of the per-feed queue of prepared batches
+READY_BATCHES = 2      # depth of the per-feed queue of prepared batches
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
 
 

@@ -61,7 +61,7 @@ class BufferRing:
         self.size = size
         self._key: Optional[tuple] = None
         self._sets: List[List[np.ndarray]] = []
-        self._next = 0
+        self._last = 0  # the slot handed out last
         self._free_refs = 0
         self.allocations = 0  # buffer sets allocated so far (for metrics and tests)
 
@@ -83,22 +83,25 @@ class BufferRing:
         """A buffer set of these shapes and dtypes that nobody else references."""
         key = (tuple(shapes), tuple(dtypes))
         if key != self._key:
-            self._key, self._sets, self._next = key, [], 0
+            self._key, self._sets, self._last = key, [], 0
         n = len(self._sets)
-        for i in range(n):  # oldest first: in FIFO consumption it is the likeliest to be free
-            slot = (self._next + i) % n
+        for i in range(n):
+            # Newest free set first: the buffer the consumer dropped last is the likeliest to
+            # still be in cache.
+            slot = (self._last - i) % n
             if not self._held(self._sets[slot]):
-                self._next = (slot + 1) % n
+                self._last = slot
                 return list(self._sets[slot])  # a new list: holders must reference the arrays
         bufs = self._allocate(shapes, dtypes)
         if n < self.size:
             self._sets.append(bufs)
+            self._last = n
             if n == 0:
                 # Calibrate on a set nobody else can hold yet: what "free" reads as here.
                 self._free_refs = max(self._refs(self._sets[0], i) for i in range(len(bufs)))
-        else:  # all held: the holders keep theirs, a fresh set takes the oldest slot
-            self._sets[self._next] = bufs
-            self._next = (self._next + 1) % n
+        else:  # all held: the holders keep theirs, a fresh set takes the slot after the newest
+            self._last = (self._last + 1) % n
+            self._sets[self._last] = bufs
         return list(bufs)
 
 

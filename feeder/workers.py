@@ -5,8 +5,9 @@ The loop is a module-level function with explicit arguments (after torchdata's
 
 Coalescing: a fast ``fetch_fun`` returning tiny chunks would otherwise cost one queue
 round trip, one wake-up of the enqueuer and one copy call per chunk, all under the GIL.
-When calls are fast, each fetcher therefore cuts its own chunks into whole batches (one
-``np.concatenate`` per input, into a buffer it reuses) and puts those; the enqueuer then
+When calls are fast and chunks small (at most a quarter of a batch), each fetcher therefore
+cuts its own chunks into whole batches (one ``np.concatenate`` per input, into a buffer it
+reuses) and puts those; the enqueuer then
 hands them on without copying, so every byte is still copied once. Rows wait in a fetcher
 at most ``COALESCE_HOLD_S``, and not at all when a call is slow (the per-chunk overhead
 does not matter then). Off for ``ordered`` sources (their chunk sequence is the contract)
@@ -38,6 +39,7 @@ SLICE_S = 0.05            # longest single wait, so a stop is seen within this m
 COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putting them as they are
 COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
 COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
+COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced
 IN_FETCH = "in fetch_fun"
 
 
@@ -104,15 +106,21 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
     unput = 0   # chunks added to the coalescer since the last put: the queue slots a batch stands for
 
+    def put_raw(arrays: tuple, rows: int) -> bool:
+        nonlocal offset
+        if not _put(source, Chunk(wid, arrays, rows), state, stop):
+            return False
+        offset = (offset + rows) % rb.batch_size
+        return True
+
     def put_pending(limit: Optional[int] = None) -> bool:
         """Put (up to ``limit`` of) the rows a coalescing fetcher holds, uncopied: the enqueuer
         copies them once."""
         nonlocal offset, unput
         unput = 0
         for rows, arrays in rb.take_pieces(limit):
-            if not _put(source, Chunk(wid, arrays, rows), state, stop):
+            if not put_raw(arrays, rows):
                 return False
-            offset = (offset + rows) % rb.batch_size
         return True
 
     monotonic = time.monotonic
@@ -174,6 +182,13 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             if bs != rb.batch_size:
                 rb.set_batch_size(bs)
                 realign = False  # the enqueuer's boundaries moved: alignment is no longer known
+            if rows * COALESCE_FRACTION > bs:
+                # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
+                # buffer it reuses. Rows held before it go first, so that order is kept.
+                if (rb.pending_rows and not put_pending()) or not put_raw(arrays, rows):
+                    return
+                held_since = 0.0
+                continue
             if not held_since:
                 held_since = now
             rb.add(arrays, rows)

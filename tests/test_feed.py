@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import feeder
+import feeder.feed
+from utils import wait_until
 
 
 def random_rows_fetcher(seed=0, low=1, high=64, width=3):
@@ -75,8 +77,8 @@ def test_stop_returns_true_while_enqueuer_is_blocked_with_nobody_consuming(coord
     assert produced.wait(5)
     feed = coord.feed("train")
     # fill everything: ready queue and chunk queue are full, enqueuer and fetchers are blocked
-    while feed.metrics()["ready_batches"] < 4 or coord.get_queue("train", 2).qsize() < 2:
-        threading.Event().wait(0.01)
+    wait_until(lambda: feed.metrics()["ready_batches"] == feeder.feed.READY_BATCHES
+               and coord.get_queue("train", 2).full(), what="a full pipeline")
     assert coord.stop() is True
 
 
