@@ -38,15 +38,18 @@ session's inputs, so the file index cannot ride along as an extra input of Magik
 as shipped. This example therefore loads the model with ``onnx`` and adds one pass-through:
 an input ``row_index`` int64 [N] and an ``Identity`` to an output ``row_index_out``. The
 scoring graph is untouched (its outputs are the same numbers; the test checks this), and
-every batch now carries its own file indices through the session: ``probs, rows =
-feed.run()`` and ``labels[rows] = ...``. Nothing depends on arrival order, so fetchers take
-files from one shared cursor (load balancing instead of a fixed split), ``ordered=False``
-(the fastest mode) is safe, short last batches are fine, and several replicas can run at
-once. The alternatives were (a) ``session=None`` with inputs ["bytes", "idx"] and calling
+every batch carries its own file indices through the session: ``scores, rows =
+feed.run()``, then ``labels[rows] = ...``. Nothing depends on arrival order, so fetchers
+take files from one shared cursor (load balancing instead of a fixed split),
+``ordered=False`` (the fastest mode) is safe, and several replicas can run at once.
+The alternatives were (a) ``session=None`` with inputs ["bytes", "idx"] and calling
 ``session.run`` on numpy batches (correct, but does not use ``feed.run()``/IOBinding) and
-(b) ``ordered=True`` plus a deterministic split of files between workers and a replay of the
-round-robin on the consumer side (works, but a chunk whose files all skip the model has
-zero rows and its bookkeeping would have to mirror feeder's ordering rules exactly).
+(b) ``ordered=True`` plus a deterministic split of files between workers and a replay of
+the round-robin on the consumer side (a chunk whose files all skip the model has zero
+rows, and the bookkeeping would have to mirror feeder's ordering rules exactly).
+
+Short last batches: each feed ends with a short batch (``last_batch="keep"``, the default),
+scored like any other.
 
 Threads: the session has ``intra_op_num_threads=1`` (feeder's advice: leave cores to the
 Python fetchers). The model costs milliseconds per file, reading a file microseconds, so
@@ -318,33 +321,6 @@ class _Job:
                 on_batch()
 
 
-    def score_leftovers(self, session: ort.InferenceSession, batch_size: int) -> None:
-        """Score the files of the short last batches (``last_batch="drop"``) with ``session.run``.
-
-        They are read again (a few dozen files at most, just read, so in the page cache).
-        """
-        todo = [i for i, label in enumerate(self.labels) if label is None]
-        for s in range(0, len(todo), batch_size):
-            part = todo[s:s + batch_size]
-            feats = np.full((len(part), self.cfg.width), self.cfg.padding_token, dtype=np.int32)
-            index = np.empty(len(part), dtype=np.int64)
-            k = 0
-            for i in part:
-                label = features_or_label(self.paths[i], self.cfg, feats[k])
-                if label is None:
-                    index[k] = i
-                    k += 1
-                else:  # the file changed since it was first read
-                    self.labels[i] = label
-            if k:
-                scores, rows = session.run([SCORES_OUTPUT, INDEX_OUTPUT],
-                                           {BYTES_INPUT: feats[:k], INDEX_INPUT: index[:k]})
-                for i, label in zip(rows.tolist(), self.cfg.labels_from_scores(scores)):
-                    self.labels[i] = label
-                self.add_done(0, model_rows=k)
-            self.add_done(len(part))
-
-
 def default_replicas() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -378,7 +354,7 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
         for _ in range(replicas):
             feeder.init_data_input_workers(session, [BYTES_INPUT, INDEX_INPUT], job.fetch, batch_size,
                                            num_worker_threads=workers, input_source_name=SOURCE,
-                                           max_buffered_batches=64, coordinator=coord, last_batch="drop")
+                                           max_buffered_batches=64, coordinator=coord)
         errors: List[BaseException] = []
 
         def replica(feed):
@@ -408,8 +384,6 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
                 stats["batches"] = sum(m["batches"] for m in ms)
         if errors:
             raise errors[0]
-        # Every fetcher has ended, so a path still without a label was in a dropped short last batch.
-        job.score_leftovers(session, batch_size)
     missing = [p for p, label in zip(job.paths, job.labels) if label is None]
     if missing:
         raise RuntimeError(f"{len(missing)} paths got no label, e.g. {missing[:3]}")

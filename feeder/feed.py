@@ -29,7 +29,8 @@ from .workers import SLICE_S, WorkerState, fetch_loop, stack_of
 
 log = logging.getLogger("feeder")
 
-READY_BATCHES = 2      # depth of the per-feed queue of prepared batches
+READY_BATCHES = 1      # depth of the per-feed queue of prepared batches: each more is another buffer
+                       # in rotation, and big batches then fall out of cache (benchmarks/compare.py b)
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
 
 

@@ -110,19 +110,18 @@ class Runner:
         names = list(output_names) if output_names is not None else self._all_outputs
         if not self._use_binding:
             return self.session.run(names, batch.as_dict(), run_options)
-        local = self._local
-        binding = getattr(local, "binding", None)
+        binding = getattr(self._local, "binding", None)
         if binding is None:
-            binding = local.binding = self.session.io_binding()
-            local.outputs = None
+            binding = self._local.binding = self.session.io_binding()
         ortvalues = batch.ortvalues if batch.ortvalues is not None else self.prepare(batch).ortvalues
         for name, ov in zip(batch.names, ortvalues):
             binding.bind_ortvalue_input(name, ov)
-        if local.outputs != names:
-            binding.clear_binding_outputs()
-            for name in names:
-                binding.bind_output(name)
-            local.outputs = names
+        # Outputs are bound afresh every run: a bound output keeps the shape of its first run, and
+        # the next batch of another row count (a short last batch, dont_rebatch, a new batch
+        # size, or a model whose output shape depends on the data) would be refused.
+        binding.clear_binding_outputs()
+        for name in names:
+            binding.bind_output(name)
         self.session.run_with_iobinding(binding, run_options)
         outputs = binding.copy_outputs_to_cpu()
         # Drop the input references so that the batch's buffers are only ever held by us.

@@ -141,3 +141,37 @@ def test_registration_checks_against_the_session(coord):
     assert coord.feed("raw").run()[0].shape == (8, 3)
     with pytest.raises(ValueError, match="fixed at 8"):
         coord.reset_data_input("train", 4)
+
+
+def test_run_handles_batches_of_changing_row_counts(coord):
+    """A short last batch, dont_rebatch chunks of varying size and reset_data_input all change the
+    row count between runs; outputs must be computed afresh for each shape."""
+    sess = session(linear_model())
+    sizes = iter([6])
+
+    def finite(worker_id, batch_size):
+        n = next(sizes, None)
+        if n is None:
+            raise StopIteration
+        return [np.ones((n, 4), np.float32)]
+
+    varying = iter([3, 5, 1, 7] * 100)
+    feeder.init_data_input_workers(sess, None, finite, 4, num_worker_threads=1, coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(sess, None, lambda w, b: [np.ones((next(varying), 4), np.float32)], 2,
+                                   num_worker_threads=1, dont_rebatch=True, input_source_name="raw",
+                                   coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(sess, None, counting_fetcher(rows=3), 8, input_source_name="resized",
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    assert feed.run()[0].shape == (4, 3)
+    assert feed.run()[0].shape == (2, 3)  # the short last batch
+    with pytest.raises(StopIteration):
+        feed.run()
+    raw = coord.feed("raw")
+    assert [raw.run()[0].shape[0] for _ in range(8)] == [3, 5, 1, 7] * 2
+    resized = coord.feed("resized")
+    assert resized.run()[0].shape == (8, 3)
+    coord.reset_data_input("resized", 5)
+    seen = {resized.run()[0].shape[0] for _ in range(10)}
+    assert 5 in seen and seen <= {5, 8}
