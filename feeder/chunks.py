@@ -63,6 +63,7 @@ class ChunkValidator:
         self._lock = threading.Lock()
         self._learned = False
         self._fast: Optional[List[tuple]] = None
+        self._single: Optional[tuple] = None
         self._build_fast()
 
     def _build_fast(self) -> None:
@@ -79,9 +80,16 @@ class ChunkValidator:
                 return
             fast.append((spec.dtype, ax, other, len(spec.shape)))
         self._fast = fast
+        if len(fast) == 1 and fast[0][1] == 0:
+            self._single = (fast[0][0], fast[0][2])
 
     def check(self, chunk: Any, worker_id: int) -> Tuple[Tuple[np.ndarray, ...], int]:
         """Validate ``chunk``; returns (arrays in input order, row count) or raises."""
+        single = self._single
+        if single is not None and type(chunk) in (list, tuple) and len(chunk) == 1:
+            a = chunk[0]  # the commonest case, one input batched on axis 0, checked inline
+            if type(a) is np.ndarray and a.dtype is single[0] and a.shape[1:] == single[1]:
+                return (a,), a.shape[0]
         fast = self._fast
         if fast is not None and type(chunk) in (list, tuple) and len(chunk) == len(fast):
             rows = -1

@@ -150,10 +150,10 @@ class Rebatcher:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self.batch_size = int(batch_size)
 
-    def add(self, arrays: Sequence[np.ndarray], rows: Optional[int] = None) -> None:
-        """Append a chunk (one array per input, equal row counts). Empty chunks are ignored.
-
-        ``rows``, when the caller has already checked the chunk, skips the alignment check.
+    def add(self, arrays: Sequence[np.ndarray], rows: Optional[int] = None) -> int:
+        """Append a chunk (one array per input, equal row counts); returns the rows now pending.
+        Empty chunks are ignored. ``rows``, when the caller has already checked the chunk,
+        skips the alignment check.
         """
         if rows is None:
             if len(arrays) != len(self._axes):
@@ -165,6 +165,7 @@ class Rebatcher:
         if rows:
             self._pending.append((rows, tuple(arrays)))
             self._pending_rows += rows
+        return self._pending_rows
 
     def pop(self) -> Optional[List[np.ndarray]]:
         """The next full batch, or None if fewer than ``batch_size`` rows are pending."""

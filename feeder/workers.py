@@ -132,7 +132,9 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 if not put_pending():
                     return
             bs = batch_size()
-            state.state, state.since = IN_FETCH, monotonic()  # what a FeedTimeout diagnosis reports
+            if state.state is not IN_FETCH:
+                state.state = IN_FETCH
+            state.since = monotonic()  # with the state: what a FeedTimeout diagnosis reports
             state.calls += 1
             try:
                 raw = fetch_fun(wid, bs)
@@ -191,9 +193,8 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 continue
             if not held_since:
                 held_since = now
-            rb.add(arrays, rows)
+            pending = rb.add(arrays, rows)
             unput += 1
-            pending = rb.pending_rows
             if pending < bs:
                 if now - state.since > COALESCE_SLOW_CALL_S:  # a slow source: put rows as they come
                     held_since = 0.0
