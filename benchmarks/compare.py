@@ -36,10 +36,11 @@ class PoolFetch:
     (so that fetching itself is nearly free and the feeding machinery is what is measured),
     after ``sleep_s`` seconds of I/O-like waiting."""
 
-    def __init__(self, row_shape, min_rows: int, max_rows: int, sleep_s: float = 0.0, pool_rows: int = 4096):
+    def __init__(self, row_shape, min_rows: int, max_rows: int, sleep_s: float = 0.0, pool_rows: int = 4096,
+                 cpu_s: float = 0.0):
         rng = np.random.default_rng(0)
         self.pool = rng.standard_normal((pool_rows,) + tuple(row_shape), dtype=np.float32)
-        self.min_rows, self.max_rows, self.sleep_s = min_rows, max_rows, sleep_s
+        self.min_rows, self.max_rows, self.sleep_s, self.cpu_s = min_rows, max_rows, sleep_s, cpu_s
         self.rows_per_fetch = (min_rows + max_rows) / 2
 
     def __call__(self, worker_id: int, batch_size: int):
@@ -47,6 +48,10 @@ class PoolFetch:
         start = random.randrange(0, len(self.pool) - n)
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        if self.cpu_s:  # pure-Python decoding work that holds the GIL
+            end = time.perf_counter() + self.cpu_s
+            while time.perf_counter() < end:
+                pass
         return [self.pool[start:start + n]]
 
 
@@ -68,12 +73,17 @@ def mlp_model(in_dim: int, hidden: int, out_dim: int) -> bytes:
     return model.SerializeToString()
 
 
-def make_session(model: bytes, spinning: bool = False):
+def make_session(model: bytes, threads: str = "1"):
+    """``threads``: "1" (one intra-op thread, the recommended setting on small machines),
+    "default" (ORT's defaults: a pool of one thread per core, spinning while idle), or
+    "nospin" (the default pool with spinning off)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    if not spinning:
-        opts.intra_op_num_threads = 1  # the recommended setting on small machines
+    if threads == "1":
+        opts.intra_op_num_threads = 1
+    elif threads == "nospin":
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 
@@ -85,7 +95,7 @@ class Scenario:
     batch_size: int
     workers: int = 2
     model: Optional[bytes] = None
-    spinning: bool = False
+    threads: str = "1"  # the session's intra-op threading, see make_session
     targets: Dict[str, float] = field(default_factory=dict)  # peer -> minimum feeder/peer ratio
 
     @property
@@ -110,7 +120,14 @@ def scenarios() -> List[Scenario]:
         Scenario("d", "model-bound: 1-64 rows of 256 float32, MLP 256-1024-1024-10 (1 intra-op thread), batch 256",
                  PoolFetch((256,), 1, 64), 256, model=mlp, targets={"model alone": 0.95}),
         Scenario("d-spin", "as d, but the session left at ORT defaults (intra-op pool of 2, spinning)",
-                 PoolFetch((256,), 1, 64), 256, model=mlp, spinning=True),
+                 PoolFetch((256,), 1, 64), 256, model=mlp, threads="default"),
+        # Python-heavy fetching (1 ms of GIL-holding work per 64 rows) and the same model: who gets the cores?
+        Scenario("e-1", "CPU-heavy fetch (1 ms Python per 64 rows) + MLP, 1 intra-op thread",
+                 PoolFetch((256,), 64, 64, cpu_s=0.001), 256, model=mlp, threads="1"),
+        Scenario("e-spin", "as e-1, ORT defaults (intra-op pool of 2, spinning)",
+                 PoolFetch((256,), 64, 64, cpu_s=0.001), 256, model=mlp, threads="default"),
+        Scenario("e-nospin", "as e-1, intra-op pool of 2 with spinning off",
+                 PoolFetch((256,), 64, 64, cpu_s=0.001), 256, model=mlp, threads="nospin"),
     ]
 
 
@@ -150,7 +167,7 @@ def consumer(sc: Scenario, session) -> Callable:
 
 
 def peer_feeder(sc: Scenario, seconds: float) -> float:
-    session = make_session(sc.model, sc.spinning) if sc.model else None
+    session = make_session(sc.model, sc.threads) if sc.model else None
     coord = feeder.GlobalCoordinator()
     feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, num_worker_threads=sc.workers,
                                    coordinator=coord, timeout=60)
@@ -164,12 +181,12 @@ def peer_feeder(sc: Scenario, seconds: float) -> float:
 
 
 def peer_serial(sc: Scenario, seconds: float) -> float:
-    session = make_session(sc.model, sc.spinning) if sc.model else None
+    session = make_session(sc.model, sc.threads) if sc.model else None
     return timed(serial_batches(sc.fetch, sc.batch_size), seconds, consumer(sc, session))
 
 
 def peer_seed(sc: Scenario, seconds: float) -> float:
-    session = make_session(sc.model, sc.spinning) if sc.model else None
+    session = make_session(sc.model, sc.threads) if sc.model else None
     seed = SeedFeeder(sc.fetch, sc.batch_size, sc.workers).start()
     try:
         return timed(seed.batches(), seconds, consumer(sc, session))
@@ -178,7 +195,7 @@ def peer_seed(sc: Scenario, seconds: float) -> float:
 
 
 def peer_torch(sc: Scenario, seconds: float) -> float:
-    session = make_session(sc.model, sc.spinning) if sc.model else None
+    session = make_session(sc.model, sc.threads) if sc.model else None
     loader = torch_loader(sc.fetch, sc.batch_size, num_workers=sc.workers)
     it = iter(loader)
     try:
@@ -205,12 +222,72 @@ def limit_memcpy(sc: Scenario, seconds: float) -> float:
 
 
 def limit_model(sc: Scenario, seconds: float) -> float:
-    session = make_session(sc.model, sc.spinning)
+    session = make_session(sc.model, sc.threads)
     ready = [sc.fetch.pool[i * sc.batch_size:(i + 1) * sc.batch_size] for i in range(8)]
     return timed(iter(lambda: [ready[random.randrange(8)]], None), seconds, consumer(sc, session))
 
 
 PEERS = {"feeder": peer_feeder, "serial": peer_serial, "seed": peer_seed, "torch": peer_torch}
+DEFAULT_SCENARIOS = ["a", "b", "c", "d", "d-spin"]
+
+
+# ---- the real workload: Magika's content-type model over the standard library -------------------
+def real_workload(files: int, replicas: int) -> Optional[dict]:
+    """examples/classify_files.py (feeder) against ``magika.Magika().identify_paths`` and the model
+    alone on precomputed features, on ``files`` files of the standard library spread evenly over
+    it (0: all of them). Labels must agree with magika's."""
+    try:
+        import magika  # noqa: F401
+    except ImportError:
+        print("magika is not installed: the real workload is skipped (pip install magika==1.0.3)", file=sys.stderr)
+        return None
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import classify_files as cf
+
+    paths = cf.list_files(os.path.dirname(os.__file__), ("site-packages", "dist-packages"))
+    if files and files < len(paths):
+        step = len(paths) / files
+        paths = [paths[int(i * step)] for i in range(files)]
+    cfg = cf.MagikaConfig()
+    out: Dict[str, float] = {"files": float(len(paths))}
+
+    session = cf.make_session()
+    t0 = time.perf_counter()
+    labels = cf.classify(paths, workers=2, batch_size=64, replicas=replicas, session=session, config=cfg)
+    out["feeder s"] = time.perf_counter() - t0
+    print(f"  real    feeder         {out['feeder s']:8.1f} s", file=sys.stderr, flush=True)
+
+    m = magika.Magika()
+    t0 = time.perf_counter()
+    results = m.identify_paths(paths)
+    out["identify_paths s"] = time.perf_counter() - t0
+    print(f"  real    identify_paths {out['identify_paths s']:8.1f} s", file=sys.stderr, flush=True)
+    theirs = [str(r.output.label) if r.ok else str(r.status) for r in results]
+    out["label mismatches"] = float(sum(a != b for a, b in zip(labels, theirs)))
+
+    rows = np.full((len(paths), cfg.width), cfg.padding_token, dtype=np.int32)
+    k = 0
+    for p_ in paths:
+        if cf.features_or_label(p_, cfg, rows[k]) is None:
+            k += 1
+    feats = rows[:k]
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    plain = ort.InferenceSession(cf.model_path(), opts, providers=["CPUExecutionProvider"])  # as shipped
+    name = plain.get_inputs()[0].name
+    t0 = time.perf_counter()
+    for i in range(0, k, 64):
+        plain.run(None, {name: feats[i:i + 64]})
+    out["model alone s"] = time.perf_counter() - t0
+    out["model rows"] = float(k)
+    print(f"  real    model alone    {out['model alone s']:8.1f} s (one thread, {k} precomputed rows)",
+          file=sys.stderr, flush=True)
+    out["feeder / identify_paths speed"] = out["identify_paths s"] / out["feeder s"]
+    out["feeder / model alone speed"] = out["model alone s"] / out["feeder s"]
+    out["replicas"] = float(replicas)
+    return out
 
 
 def best_of(fn: Callable[[Scenario, float], float], sc: Scenario, seconds: float, repeat: int) -> float:
@@ -226,7 +303,7 @@ def run(args) -> dict:
         print("torch is not installed: the DataLoader peer is skipped (pip install torch==2.13.0)", file=sys.stderr)
     results = {}
     for sc in scenarios():
-        if args.scenarios and sc.key not in args.scenarios:
+        if sc.key not in (args.scenarios or DEFAULT_SCENARIOS):
             continue
         r: Dict[str, float] = {}
         for name, fn in PEERS.items():
@@ -264,14 +341,19 @@ def table(results: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin")
+    p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin e-1 e-spin e-nospin")
     p.add_argument("--peers", nargs="*", help="subset of: feeder serial seed torch (limits always run)")
     p.add_argument("--seconds", type=float, default=2.0, help="measuring time per peer and repeat")
     p.add_argument("--repeat", type=int, default=2, help="runs per peer; the best is kept")
+    p.add_argument("--real-files", type=int, default=2500,
+                   help="standard-library files for the real workload, spread evenly (0: all, ~7,700; -1: skip)")
+    p.add_argument("--real-replicas", type=int, default=os.cpu_count() or 1,
+                   help="feeds scoring in parallel in the real workload (one ORT thread each)")
     p.add_argument("--json", default=os.path.join(HERE, "results", "compare.json"))
     args = p.parse_args()
     t0 = time.monotonic()
     results = run(args)
+    real = real_workload(args.real_files, args.real_replicas) if args.real_files >= 0 else None
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "numpy": np.__version__, "seconds": args.seconds,
             "repeat": args.repeat, "wall_s": round(time.monotonic() - t0, 1)}
@@ -287,9 +369,19 @@ def main() -> int:
         print(f"{key}: {res['title']}")
     print()
     print(table(results))
+    if real:
+        print(f"\nreal workload, Magika's model over {real['files']:.0f} standard-library files "
+              f"({real['model rows']:.0f} through the model), {real['replicas']:.0f} replica(s):")
+        print(f"| feeder (examples/classify_files.py) | magika identify_paths | model alone, precomputed features, "
+              f"1 thread | feeder speed / identify_paths | feeder speed / model alone | label mismatches |")
+        print("|---|---|---|---|---|---|")
+        print(f"| {real['feeder s']:.1f} s | {real['identify_paths s']:.1f} s | {real['model alone s']:.1f} s | "
+              f"{real['feeder / identify_paths speed']:.2f}x | {real['feeder / model alone speed']:.2f}x | "
+              f"{real['label mismatches']:.0f} |")
+    meta["wall_s"] = round(time.monotonic() - t0, 1)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+        json.dump({"meta": meta, "results": results, "real_workload": real}, f, indent=2)
     print(f"\nwritten to {args.json}")
     return 0
 
