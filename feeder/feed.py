@@ -29,8 +29,12 @@ from .workers import SLICE_S, WorkerState, fetch_loop, stack_of
 
 log = logging.getLogger("feeder")
 
-READY_BATCHES = 1      # depth of the per-feed queue of prepared batches: each more is another buffer
-                       # in rotation, and big batches then fall out of cache (benchmarks/compare.py b)
+# Depth of the per-feed queue of prepared batches. Deeper lets the enqueuer run further ahead per
+# wake-up, which matters when Python fetchers keep the GIL busy (every wake-up may wait for it);
+# but each prepared batch is one more buffer in rotation, and big batches then fall out of cache.
+# So the depth is what fits READY_BYTES, between 1 and READY_MAX (benchmarks/compare.py a, b).
+READY_MAX = 4
+READY_BYTES = 4 * 2**20
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
 
 
@@ -79,8 +83,8 @@ class Feed:
         self._runner = Runner(session, self.input_names) if session is not None else None
 
         self._stop = threading.Event()
-        self._ready: "queue.Queue[Any]" = queue.Queue(READY_BATCHES)
-        self._ring = BufferRing(READY_BATCHES + 2)
+        self._ready: "queue.Queue[Any]" = queue.Queue(1)  # sized by the first batch, see ready_depth
+        self._ring = BufferRing(READY_MAX + 2)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         self._workers = [WorkerState(w) for w in self.worker_ids]
         self._enqueuer_thread: Optional[threading.Thread] = None
@@ -219,6 +223,9 @@ class Feed:
         return True
 
     def _put_ready(self, item: Any) -> bool:
+        if self._batches_made == 1 and isinstance(item, PreparedBatch):
+            self._ready.maxsize = ready_depth(item.nbytes)  # read by put() under the queue's lock
+            self._ring.size = self._ready.maxsize + 2
         while not self._stop.is_set():
             try:
                 self._ready.put(item, timeout=SLICE_S)
@@ -408,6 +415,11 @@ class Feed:
             return True
         return False
 
+
+
+def ready_depth(batch_nbytes: int) -> int:
+    """How many prepared batches a feed keeps ready: as many as fit READY_BYTES, 1 to READY_MAX."""
+    return max(1, min(READY_MAX, READY_BYTES // max(1, batch_nbytes)))
 
 
 def check_batch_size(batch_size: Any, specs: Sequence[InputSpec], axes: Sequence[int], dont_rebatch: bool) -> None:

@@ -38,6 +38,35 @@ def take_rows(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return a[tuple(index)]
 
 
+SMALL_COPY_BYTES = 64 * 1024  # pieces up to this size are copied without releasing the GIL
+
+
+def concatenate_into(dst: np.ndarray, pieces: Sequence[np.ndarray], axis: int) -> None:
+    """``np.concatenate(pieces, axis, out=dst)``, but small pieces are copied holding the GIL.
+
+    numpy releases the GIL around every copy of more than a few hundred elements. Under
+    contention (another Python thread, such as a second fetcher, wants the GIL) each release
+    costs a hand-over and the reacquisition can wait out the interpreter's switch interval:
+    measured here, concatenating 57 pieces of 1-8 rows of 256 float32 took 15 us alone and
+    21 ms next to one busy Python thread, against 51 us for this memcpy loop. Big pieces still
+    go through numpy, which releases the GIL while it copies them.
+    """
+    if axis != 0 or dst.dtype.kind not in "biufc" or not dst.flags.c_contiguous:
+        np.concatenate(pieces, axis=axis, out=dst)
+        return
+    mv = memoryview(dst).cast("B")
+    pos = row = 0
+    for p in pieces:
+        nbytes = p.nbytes
+        rows = p.shape[0]
+        if nbytes <= SMALL_COPY_BYTES and p.flags.c_contiguous and p.dtype == dst.dtype:
+            mv[pos:pos + nbytes] = memoryview(p).cast("B")
+        else:
+            np.copyto(dst[row:row + rows], p)
+        pos += nbytes
+        row += rows
+
+
 def _batch_shape(a: np.ndarray, axis: int, rows: int) -> Tuple[int, ...]:
     shape = list(a.shape)
     shape[axis] = rows
@@ -248,7 +277,7 @@ class Rebatcher:
             if len(part) == 1:
                 np.copyto(dst, part[0])
             else:
-                np.concatenate(part, axis=ax, out=dst)
+                concatenate_into(dst, part, ax)
         self.copied_bytes += sum(o.nbytes for o in out)
         self.copied_batches += 1
         return out

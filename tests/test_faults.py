@@ -165,7 +165,7 @@ def test_stop_while_producers_are_blocked_on_a_full_queue(coord):
                                    max_buffered_batches=2, coordinator=coord)
     coord.start()
     feed = coord.feed("train")
-    wait_until(lambda: feed.source.full() and feed.metrics()["ready_batches"] == feeder.feed.READY_BATCHES,
+    wait_until(lambda: feed.source.full() and feed.metrics()["ready_batches"] == feed._ready.maxsize,
                what="a full pipeline")
     t0 = time.monotonic()
     assert coord.stop() is True

@@ -77,7 +77,7 @@ def test_stop_returns_true_while_enqueuer_is_blocked_with_nobody_consuming(coord
     assert produced.wait(5)
     feed = coord.feed("train")
     # fill everything: ready queue and chunk queue are full, enqueuer and fetchers are blocked
-    wait_until(lambda: feed.metrics()["ready_batches"] == feeder.feed.READY_BATCHES
+    wait_until(lambda: feed.metrics()["ready_batches"] == feed._ready.maxsize
                and coord.get_queue("train", 2).full(), what="a full pipeline")
     assert coord.stop() is True
 

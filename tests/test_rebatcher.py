@@ -179,3 +179,31 @@ def test_take_pieces_up_to_a_limit_splits_without_copying():
     assert [n for n, _ in pieces] == [3, 2]
     assert pieces[1][1][0].tolist() == [3, 4] and np.shares_memory(pieces[1][1][0], b[0])
     assert rb.pending_rows == 2 and rb.flush()[0].tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_, np.complex64, np.uint8])
+def test_concatenate_into_equals_numpy(dtype):
+    from feeder.rebatcher import SMALL_COPY_BYTES, concatenate_into
+
+    rng = np.random.default_rng(0)
+    big_rows = SMALL_COPY_BYTES // (16 * np.dtype(dtype).itemsize) + 3  # one piece above the small-copy bound
+    sizes = [1, 3, big_rows, 2]
+    pieces = [(rng.standard_normal((n, 16)) * 100).astype(dtype) for n in sizes]
+    pieces[1] = np.asfortranarray(pieces[1])  # not C-contiguous: copied by numpy
+    out = np.empty((sum(sizes), 16), dtype)
+    concatenate_into(out, pieces, 0)
+    np.testing.assert_array_equal(out, np.concatenate(pieces))
+    wide = [p.T for p in pieces]  # batch axis 1
+    out1 = np.empty((16, sum(sizes)), dtype)
+    concatenate_into(out1, wide, 1)
+    np.testing.assert_array_equal(out1, np.concatenate(wide, axis=1))
+
+
+def test_concatenate_into_object_arrays_keep_references():
+    from feeder.rebatcher import concatenate_into
+
+    pieces = [np.array(["a", "bb"], dtype=object), np.array(["ccc"], dtype=object)]
+    out = np.empty(3, dtype=object)
+    concatenate_into(out, pieces, 0)
+    del pieces
+    assert out.tolist() == ["a", "bb", "ccc"]
