@@ -290,10 +290,6 @@ def real_workload(files: int, replicas: int) -> Optional[dict]:
     return out
 
 
-def best_of(fn: Callable[[Scenario, float], float], sc: Scenario, seconds: float, repeat: int) -> float:
-    return max(fn(sc, seconds) for _ in range(repeat))
-
-
 def run(args) -> dict:
     try:
         import torch  # noqa: F401
@@ -305,16 +301,17 @@ def run(args) -> dict:
     for sc in scenarios():
         if sc.key not in (args.scenarios or DEFAULT_SCENARIOS):
             continue
+        # Repeats are interleaved (every peer once, then again), so that a burst of noise from the
+        # machine hits all peers alike; the best of each peer's runs is kept.
+        runners = [(name, fn) for name, fn in PEERS.items()
+                   if not (name == "torch" and not have_torch) and not (args.peers and name not in args.peers)]
+        runners.append(("memcpy", limit_memcpy) if sc.model is None else ("model alone", limit_model))
         r: Dict[str, float] = {}
-        for name, fn in PEERS.items():
-            if (name == "torch" and not have_torch) or (args.peers and name not in args.peers):
-                continue
-            r[name] = best_of(fn, sc, args.seconds, args.repeat)
-            print(f"  {sc.key:7s} {name:14s} {r[name]:14,.0f} rows/s", file=sys.stderr, flush=True)
-        if sc.model is None:
-            r["memcpy"] = best_of(limit_memcpy, sc, args.seconds, args.repeat)
-        else:
-            r["model alone"] = best_of(limit_model, sc, args.seconds, args.repeat)
+        for _ in range(args.repeat):
+            for name, fn in runners:
+                r[name] = max(r.get(name, 0.0), fn(sc, args.seconds))
+        for name, v in r.items():
+            print(f"  {sc.key:7s} {name:14s} {v:14,.0f} rows/s", file=sys.stderr, flush=True)
         if sc.fetch_capacity():
             r["fetch capacity"] = sc.fetch_capacity()
         ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v and "feeder" in r}
@@ -343,8 +340,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin e-1 e-spin e-nospin")
     p.add_argument("--peers", nargs="*", help="subset of: feeder serial seed torch (limits always run)")
-    p.add_argument("--seconds", type=float, default=2.0, help="measuring time per peer and repeat")
-    p.add_argument("--repeat", type=int, default=2, help="runs per peer; the best is kept")
+    p.add_argument("--seconds", type=float, default=1.5, help="measuring time per peer and repeat")
+    p.add_argument("--repeat", type=int, default=3, help="runs per peer, interleaved; the best is kept")
     p.add_argument("--real-files", type=int, default=2500,
                    help="standard-library files for the real workload, spread evenly (0: all, ~7,700; -1: skip)")
     p.add_argument("--real-replicas", type=int, default=os.cpu_count() or 1,
