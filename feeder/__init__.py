@@ -24,10 +24,12 @@ from .api import init_data_input_workers
 from .coordinator import GlobalCoordinator, global_coordinator
 from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError
 from .feed import Feed
+from .runtime import OrtTrainingModule, StatefulSession
 from .source import ChunkQueue
 
 __all__ = [
     "init_data_input_workers", "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
+    "StatefulSession", "OrtTrainingModule",
     "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError",
 ]
 __version__ = "0.1.0"

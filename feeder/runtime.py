@@ -13,7 +13,7 @@ Facts this module is built on (measured with onnxruntime 1.31 on CPU):
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -83,7 +83,8 @@ class Runner:
     ``prepare`` runs in the enqueuer thread (OrtValues wrap the batch arrays, no copy);
     ``run`` in the consumer thread binds and runs with an IOBinding private to that thread.
     Sessions that are not InferenceSessions (training adapters) implement
-    ``run_batch(batch: PreparedBatch, output_names, run_options) -> list`` themselves.
+    ``run_batch(batch: PreparedBatch, output_names, run_options) -> list`` themselves, and
+    optionally ``prepare_batch(batch)`` (run in the enqueuer thread).
     """
 
     def __init__(self, session: Any, input_names: Sequence[str]):
@@ -98,7 +99,11 @@ class Runner:
         self._local = threading.local()
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
-        if self._use_binding:
+        if self._custom:
+            prepare = getattr(self.session, "prepare_batch", None)
+            if prepare is not None:
+                prepare(batch)
+        elif self._use_binding:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
             batch.ortvalues = [from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
                                for a in batch.arrays]
@@ -127,3 +132,222 @@ class Runner:
         # Drop the input references so that the batch's buffers are only ever held by us.
         binding.clear_binding_inputs()
         return outputs
+
+
+# ---- training session adapters ----------------------------------------------------------------
+class _Arg:
+    """An input or output description shaped like onnxruntime's NodeArg (name, type, shape)."""
+
+    __slots__ = ("name", "type", "shape")
+
+    def __init__(self, name: str, type: Optional[str] = None, shape: Optional[list] = None):
+        self.name, self.type, self.shape = name, type, shape
+
+    def __repr__(self) -> str:
+        return f"_Arg({self.name!r}, {self.type!r}, {self.shape!r})"
+
+
+_NUMPY_TO_ORT = {np.dtype(v): k for k, v in _ORT_TYPES.items()}
+
+
+class StatefulSession:
+    """A train-step graph on a plain ``onnxruntime.InferenceSession``, its state kept in OrtValues.
+
+    A train-step graph takes the data batch plus the model state (weights, optimizer moments,
+    step counter) and returns the loss plus the updated state. ``state`` maps each state output
+    to the state input it replaces; ``initial_state`` gives every state input's first value
+    (inputs named there but not updated by any output stay constant: weights of an evaluation
+    graph, say). Between steps the state never goes through numpy: each step's output buffers
+    become the next step's inputs (a swap, no copy; on a GPU provider, no host round trip).
+
+    Fed with ``feeder.init_data_input_workers(adapter, ...)``: ``get_inputs()`` lists only the
+    data inputs, so fetchers supply those and are validated against them; ``feed.run(["loss"])``
+    runs one step and returns what was asked (any non-state output, or a state output's new
+    value). Steps are serialised by a lock, so several feeds may share one adapter.
+
+    ``device`` / ``device_id`` place the state and the batch OrtValues ("cpu", or "cuda" with a
+    CUDA provider); batches are moved there in the enqueuer thread.
+    """
+
+    def __init__(self, session: Any, state: Mapping[str, str],
+                 initial_state: Optional[Mapping[str, np.ndarray]] = None, *,
+                 device: str = "cpu", device_id: int = 0):
+        self._ort = import_onnxruntime()
+        self.session = session
+        self.device, self.device_id = device, int(device_id)
+        inputs = {a.name: a for a in session.get_inputs()}
+        outputs = {a.name: a for a in session.get_outputs()}
+        self._state = dict(state)
+        for out_name, in_name in self._state.items():
+            if out_name not in outputs:
+                raise ValueError(f"state output {out_name!r} is not an output of the session ({list(outputs)})")
+            if in_name not in inputs:
+                raise ValueError(f"state input {in_name!r} (for output {out_name!r}) is not an input of the "
+                                 f"session ({list(inputs)})")
+        if len(set(self._state.values())) != len(self._state):
+            raise ValueError("two state outputs replace the same state input")
+        extra = [n for n in (initial_state or {}) if n not in inputs]
+        if extra:
+            raise ValueError(f"initial_state names {extra} that are not inputs of the session")
+        self._state_inputs = list(dict.fromkeys(list(self._state.values()) + list(initial_state or {})))
+        self._specs = {s.name: s for s in input_specs(session)}
+        self._data_inputs = [a for n, a in inputs.items() if n not in self._state_inputs]
+        if not self._data_inputs:
+            raise ValueError("every input of the session is state: there is nothing to feed")
+        self._plain_outputs = [n for n in outputs if n not in self._state]
+        self._cur: Dict[str, Any] = {}   # state input -> OrtValue bound as input next step
+        self._next: Dict[str, Any] = {}  # state output -> OrtValue the next step writes
+        self._keep: Dict[str, np.ndarray] = {}  # host arrays behind zero-copy OrtValues
+        self._lock = threading.Lock()
+        self._binding = None
+        self.steps = 0
+        if initial_state is not None:
+            self.load_state(initial_state)
+
+    # -- the session protocol feeder uses --
+    def get_inputs(self) -> List[Any]:
+        """The data inputs (what fetchers supply), in the session's order."""
+        return list(self._data_inputs)
+
+    def get_outputs(self) -> List[Any]:
+        """Outputs that are not state."""
+        return [a for a in self.session.get_outputs() if a.name in self._plain_outputs]
+
+    @property
+    def state_inputs(self) -> List[str]:
+        return list(self._state_inputs)
+
+    def prepare_batch(self, batch: PreparedBatch) -> None:
+        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+        batch.ortvalues = [from_numpy(np.ascontiguousarray(a), self.device, self.device_id) for a in batch.arrays]
+
+    def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
+        """One training step on ``batch``; returns the requested outputs as numpy arrays."""
+        names = list(output_names) if output_names is not None else list(self._plain_outputs)
+        unknown = [n for n in names if n not in self._plain_outputs and n not in self._state]
+        if unknown:
+            raise ValueError(f"unknown outputs {unknown}; outputs: {self._plain_outputs + list(self._state)}")
+        if batch.ortvalues is None:
+            self.prepare_batch(batch)
+        with self._lock:
+            missing = [n for n in self._state_inputs if n not in self._cur]
+            if missing:
+                raise FeederError(f"state {missing} not set: pass initial_state or call load_state() first")
+            if self._binding is None:
+                self._binding = self.session.io_binding()
+            b = self._binding
+            for name, ov in zip(batch.names, batch.ortvalues):
+                b.bind_ortvalue_input(name, ov)
+            for name in self._state_inputs:
+                b.bind_ortvalue_input(name, self._cur[name])
+            b.clear_binding_outputs()
+            plain = [n for n in names if n in self._plain_outputs]
+            for name in plain:
+                b.bind_output(name, self.device, self.device_id)
+            for out_name in self._state:
+                b.bind_ortvalue_output(out_name, self._next[out_name])
+            self.session.run_with_iobinding(b, run_options)
+            got = dict(zip(plain, (ov.numpy() for ov in b.get_outputs()[:len(plain)])))
+            for out_name, in_name in self._state.items():
+                if out_name in names:
+                    got[out_name] = self._next[out_name].numpy()
+                # the swap: this step's outputs are the next step's inputs, and the old inputs'
+                # buffers are written by the next step
+                self._cur[in_name], self._next[out_name] = self._next[out_name], self._cur[in_name]
+            b.clear_binding_inputs()
+            self.steps += 1
+            return [got[n] for n in names]
+
+    # -- state --
+    def state(self) -> Dict[str, np.ndarray]:
+        """A copy of the current state as numpy arrays, by state input name."""
+        with self._lock:
+            return {name: np.array(self._cur[name].numpy(), copy=True) for name in self._state_inputs
+                    if name in self._cur}
+
+    def load_state(self, values: Mapping[str, np.ndarray]) -> None:
+        """Set the state (every state input) from arrays, e.g. ``dict(np.load("ckpt.npz"))``."""
+        missing = [n for n in self._state_inputs if n not in values]
+        if missing:
+            raise ValueError(f"load_state: missing state inputs {missing}")
+        arrays = {}
+        for name in self._state_inputs:
+            spec = self._specs.get(name)
+            a = np.asarray(values[name])
+            if spec is not None and spec.dtype is not None and a.dtype != spec.dtype:
+                if not np.can_cast(a.dtype, spec.dtype, casting="same_kind"):
+                    raise ValueError(f"load_state: {name!r} has dtype {a.dtype}, the session wants {spec.dtype}")
+                a = a.astype(spec.dtype)
+            if spec is not None and spec.shape is not None:
+                if a.ndim != len(spec.shape) or any(w is not None and w != h for w, h in zip(spec.shape, a.shape)):
+                    raise ValueError(f"load_state: {name!r} has shape {a.shape}, the session wants {spec.shape}")
+            arrays[name] = np.array(a, copy=True, order="C")  # private: the caller's array may change
+        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+        with self._lock:
+            self._keep = {}
+            self._cur, self._next = {}, {}
+            for name, a in arrays.items():
+                self._cur[name] = from_numpy(a, self.device, self.device_id)
+                self._keep["in:" + name] = a
+            for out_name, in_name in self._state.items():
+                buf = np.empty_like(arrays[in_name])
+                self._next[out_name] = from_numpy(buf, self.device, self.device_id)
+                self._keep["out:" + out_name] = buf
+
+
+class OrtTrainingModule:
+    """onnxruntime-training's ``Module`` and ``Optimizer`` as a session feeder can feed.
+
+    ``feed.run()`` performs one training step: the module's forward and backward on the batch,
+    ``optimizer.step()``, and ``module.lazy_reset_grad()``; it returns ``[loss]`` (as numpy).
+    ``get_inputs()`` gives the module's input names (types and shapes are learned from the first
+    chunk, or read from ``train_model_path`` when given). Note: onnxruntime-training 1.19 holds
+    the GIL during its train step, so fetcher threads run at a fraction of their speed meanwhile.
+    """
+
+    def __init__(self, module: Any, optimizer: Any, *, train_model_path: Optional[str] = None):
+        self.module, self.optimizer = module, optimizer
+        names = list(module.input_names())
+        args = {n: _Arg(n) for n in names}
+        if train_model_path is not None:
+            args.update(_onnx_file_inputs(train_model_path, names))
+        self._inputs = [args[n] for n in names]
+        self._lock = threading.Lock()
+        self.steps = 0
+
+    def get_inputs(self) -> List[Any]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> List[Any]:
+        return [_Arg(n) for n in self.module.output_names()]
+
+    def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
+        by_name = batch.as_dict()
+        args = [np.ascontiguousarray(by_name[a.name]) for a in self._inputs]
+        with self._lock:
+            self.module.train()
+            out = self.module(*args)
+            self.optimizer.step()
+            self.module.lazy_reset_grad()
+            self.steps += 1
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if output_names is None:
+            return [np.asarray(o) for o in outs]
+        names = list(self.module.output_names())
+        return [np.asarray(outs[names.index(n)]) for n in output_names]
+
+
+def _onnx_file_inputs(path: str, names: Sequence[str]) -> Dict[str, _Arg]:
+    """Input types and shapes of the training model file, as NodeArg-like descriptions."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in names:
+            t = vi.type.tensor_type
+            elem = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+            ort_type = _NUMPY_TO_ORT.get(np.dtype(elem))
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+            out[vi.name] = _Arg(vi.name, ort_type, shape)
+    return out

@@ -75,3 +75,74 @@ def session(model: bytes, threads: int = 1):
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def logistic_train_step(dim: int, lr: float = 0.5, momentum: float = 0.9) -> bytes:
+    """One SGD-with-momentum step of logistic regression, as an ordinary ONNX graph.
+
+    Inputs: x float32 [N, dim], y float32 [N] (0/1), and the state W [dim], b [], vW [dim], vb [].
+    Outputs: loss [] (mean log-loss before the step), W_new, b_new, vW_new, vb_new.
+    Gradients are written by hand: dz = sigmoid(z) - y; gW = mean(x * dz); gb = mean(dz);
+    v <- momentum * v + g; w <- w - lr * v.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    f = TensorProto.FLOAT
+    consts = [numpy_helper.from_array(np.array(lr, np.float32), "lr"),
+              numpy_helper.from_array(np.array(momentum, np.float32), "mu"),
+              numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["z"]),
+        helper.make_node("Softplus", ["z"], ["sp"]),
+        helper.make_node("Mul", ["y", "z"], ["yz"]),
+        helper.make_node("Sub", ["sp", "yz"], ["nll"]),
+        helper.make_node("ReduceMean", ["nll"], ["loss"], keepdims=0),
+        helper.make_node("Sigmoid", ["z"], ["p"]),
+        helper.make_node("Sub", ["p", "y"], ["dz"]),
+        helper.make_node("Unsqueeze", ["dz", "axis1"], ["dz1"]),
+        helper.make_node("Mul", ["x", "dz1"], ["xdz"]),
+        helper.make_node("ReduceMean", ["xdz"], ["gW"], axes=[0], keepdims=0),
+        helper.make_node("ReduceMean", ["dz"], ["gb"], keepdims=0),
+        helper.make_node("Mul", ["mu", "vW"], ["mvW"]),
+        helper.make_node("Add", ["mvW", "gW"], ["vW_new"]),
+        helper.make_node("Mul", ["mu", "vb"], ["mvb"]),
+        helper.make_node("Add", ["mvb", "gb"], ["vb_new"]),
+        helper.make_node("Mul", ["lr", "vW_new"], ["stepW"]),
+        helper.make_node("Sub", ["W", "stepW"], ["W_new"]),
+        helper.make_node("Mul", ["lr", "vb_new"], ["stepb"]),
+        helper.make_node("Sub", ["b", "stepb"], ["b_new"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "logistic_train_step",
+        [helper.make_tensor_value_info("x", f, ["N", dim]), helper.make_tensor_value_info("y", f, ["N"]),
+         helper.make_tensor_value_info("W", f, [dim]), helper.make_tensor_value_info("b", f, []),
+         helper.make_tensor_value_info("vW", f, [dim]), helper.make_tensor_value_info("vb", f, [])],
+        [helper.make_tensor_value_info("loss", f, []), helper.make_tensor_value_info("W_new", f, [dim]),
+         helper.make_tensor_value_info("b_new", f, []), helper.make_tensor_value_info("vW_new", f, [dim]),
+         helper.make_tensor_value_info("vb_new", f, [])],
+        initializer=consts)
+    return _model(graph)
+
+
+def logistic_eval(dim: int) -> bytes:
+    """p = sigmoid(x @ W + b); x float32 [N, dim], W [dim] and b [] as inputs (held as state)."""
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["z"]),
+             helper.make_node("Sigmoid", ["z"], ["p"])]
+    graph = helper.make_graph(
+        nodes, "logistic_eval",
+        [helper.make_tensor_value_info("x", f, ["N", dim]), helper.make_tensor_value_info("W", f, [dim]),
+         helper.make_tensor_value_info("b", f, [])],
+        [helper.make_tensor_value_info("p", f, ["N"])])
+    return _model(graph)
+
+
+LOGISTIC_STATE = {"W_new": "W", "b_new": "b", "vW_new": "vW", "vb_new": "vb"}
+
+
+def logistic_zero_state(dim: int) -> dict:
+    z = np.zeros(dim, np.float32)
+    return {"W": z, "b": np.float32(0.0), "vW": z, "vb": np.float32(0.0)}
