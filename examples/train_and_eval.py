@@ -1,0 +1,171 @@
+"""Train and evaluate on one coordinator: "train" feeds a train-step graph, "test" an eval graph.
+
+Run:  python examples/train_and_eval.py [--steps 400] [--batch-size 64]
+
+The model is a one-hidden-layer MLP classifier (tanh, softmax cross-entropy) whose train step,
+gradients written by hand, is an ordinary ONNX graph: inputs are the batch (x, y one-hot) and
+the state (weights and SGD momenta), outputs the loss and the new state. feeder.StatefulSession
+keeps the state in OrtValues between steps (no numpy round trip); every 50 steps the current
+weights are loaded into the eval graph's adapter and the "test" source is scored.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+import feeder
+
+DIM, HIDDEN, CLASSES = 16, 32, 3
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10  # onnxruntime 1.31 accepts IR <= 13; onnx 1.23 would stamp 14
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, F, shape)
+
+
+def forward_nodes():
+    return [helper.make_node("MatMul", ["x", "W1"], ["a0"]), helper.make_node("Add", ["a0", "b1"], ["a"]),
+            helper.make_node("Tanh", ["a"], ["h"]), helper.make_node("MatMul", ["h", "W2"], ["o0"]),
+            helper.make_node("Add", ["o0", "b2"], ["logits"]), helper.make_node("Softmax", ["logits"], ["p"])]
+
+
+PARAMS = [("W1", [DIM, HIDDEN]), ("b1", [HIDDEN]), ("W2", [HIDDEN, CLASSES]), ("b2", [CLASSES])]
+
+
+def train_step_model(lr: float = 0.01, momentum: float = 0.9) -> bytes:
+    """Forward, softmax cross-entropy, backward by hand, SGD with momentum, in one graph."""
+    n = helper.make_node
+    nodes = forward_nodes() + [
+        n("Log", ["p"], ["logp"]), n("Mul", ["y", "logp"], ["ylogp"]),
+        n("ReduceSum", ["ylogp", "ax1"], ["rowll"], keepdims=0), n("ReduceMean", ["rowll"], ["mll"], keepdims=0),
+        n("Neg", ["mll"], ["loss"]),
+        # d loss / d logits = (p - y) / N ; N from the batch
+        n("Shape", ["x"], ["xs"]), n("Gather", ["xs", "zero"], ["N"], axis=0), n("Cast", ["N"], ["Nf"], to=F),
+        n("Sub", ["p", "y"], ["pm"]), n("Div", ["pm", "Nf"], ["dlog"]),
+        n("Transpose", ["h"], ["hT"]), n("MatMul", ["hT", "dlog"], ["gW2"]),
+        n("ReduceSum", ["dlog", "ax0"], ["gb2"], keepdims=0),
+        n("Transpose", ["W2"], ["W2T"]), n("MatMul", ["dlog", "W2T"], ["dh"]),
+        n("Mul", ["h", "h"], ["h2"]), n("Sub", ["one", "h2"], ["dtanh"]), n("Mul", ["dh", "dtanh"], ["da"]),
+        n("Transpose", ["x"], ["xT"]), n("MatMul", ["xT", "da"], ["gW1"]),
+        n("ReduceSum", ["da", "ax0"], ["gb1"], keepdims=0),
+    ]
+    outputs = [_vi("loss", [])]
+    for name, shape in PARAMS:
+        nodes += [n("Mul", ["mu", "v" + name], ["mv" + name]), n("Add", ["mv" + name, "g" + name], ["v" + name + "_new"]),
+                  n("Mul", ["lr", "v" + name + "_new"], ["s" + name]), n("Sub", [name, "s" + name], [name + "_new"])]
+        outputs += [_vi(name + "_new", shape), _vi("v" + name + "_new", shape)]
+    consts = [numpy_helper.from_array(np.array(v, dtype), k) for k, v, dtype in
+              (("lr", lr, np.float32), ("mu", momentum, np.float32), ("one", 1.0, np.float32),
+               ("zero", 0, np.int64), ("ax0", [0], np.int64), ("ax1", [1], np.int64))]
+    inputs = [_vi("x", ["N", DIM]), _vi("y", ["N", CLASSES])]
+    inputs += [_vi(name, shape) for name, shape in PARAMS] + [_vi("v" + name, shape) for name, shape in PARAMS]
+    return _model(nodes, inputs, outputs, consts)
+
+
+def eval_model() -> bytes:
+    """Class probabilities from the same weights, which are inputs held by the adapter."""
+    inputs = [_vi("x", ["N", DIM])] + [_vi(name, shape) for name, shape in PARAMS]
+    return _model(forward_nodes(), inputs, [_vi("p", ["N", CLASSES])])
+
+
+STATE = {**{name + "_new": name for name, _ in PARAMS}, **{"v" + name + "_new": "v" + name for name, _ in PARAMS}}
+
+
+def initial_state(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name, shape in PARAMS:
+        scale = 1.0 / np.sqrt(shape[0]) if len(shape) == 2 else 0.0
+        state[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
+        state["v" + name] = np.zeros(shape, np.float32)
+    return state
+
+
+class Blobs:
+    """Three Gaussian blobs in DIM dimensions; fetch_fun draws chunks of random rows."""
+
+    def __init__(self, seed: int):
+        rng = np.random.default_rng(100)
+        self.centers = rng.standard_normal((CLASSES, DIM)).astype(np.float32) * 0.6
+        self.rng = np.random.default_rng(seed)
+        self.lock = threading.Lock()
+
+    def sample(self, n: int):
+        with self.lock:
+            labels = self.rng.integers(0, CLASSES, n)
+            x = self.centers[labels] + self.rng.standard_normal((n, DIM)).astype(np.float32)
+        return x.astype(np.float32), np.eye(CLASSES, dtype=np.float32)[labels]
+
+    def fetch(self, worker_id: int, batch_size: int):
+        x, y = self.sample(int(self.rng.integers(8, 48)))
+        return {"x": x, "y": y}
+
+
+def session(model: bytes) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=64)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    train = feeder.StatefulSession(session(train_step_model()), STATE, initial_state())
+    evaluate = feeder.StatefulSession(session(eval_model()), {}, {n: v for n, v in initial_state().items()
+                                                                  if not n.startswith("v")})
+    x_test, y_test = Blobs(seed=2).sample(2000)
+    test_chunks = {"next": 0}
+
+    def test_fetch(worker_id: int, batch_size: int):
+        # one worker, cycling through the test set in order: batch k holds rows k*500 .. k*500+499
+        i = test_chunks["next"]
+        test_chunks["next"] = (i + 250) % len(x_test)
+        return [x_test[i:i + 250]]
+
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(train, None, Blobs(seed=1).fetch, args.batch_size, num_worker_threads=2,
+                                   input_source_name="train", coordinator=coord, log_interval=0.2)
+    feeder.init_data_input_workers(evaluate, ["x"], test_fetch, 500, num_worker_threads=1, ordered=True,
+                                   max_buffered_batches=8,
+                                   input_source_name="test", coordinator=coord, log_interval=0.2)
+    t0 = time.perf_counter()
+    test_batches = 0
+    with coord:
+        train_feed, test_feed = coord.feed("train"), coord.feed("test")
+        for step in range(1, args.steps + 1):
+            (loss,) = train_feed.run(["loss"])
+            if step % 50 == 0:
+                evaluate.load_state({k: v for k, v in train.state().items() if not k.startswith("v")})
+                correct = 0
+                for _ in range(len(x_test) // 500):  # one pass over the test set
+                    (probs,) = test_feed.run()
+                    start = (test_batches * 500) % len(x_test)
+                    correct += int(np.sum(probs.argmax(1) == y_test[start:start + 500].argmax(1)))
+                    test_batches += 1
+                print(f"step {step:4d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.3f}",
+                      flush=True)
+    elapsed = time.perf_counter() - t0
+    print(f"{args.steps} train steps of {args.batch_size} rows in {elapsed:.2f} s: {args.steps / elapsed:,.0f} steps/s")
+
+
+if __name__ == "__main__":
+    main()
