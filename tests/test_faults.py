@@ -1,6 +1,7 @@
 """Faults and shutdown: failing, hanging and exiting fetch functions, loggers, stop at any moment (issue 4)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -210,7 +211,9 @@ def test_enqueuer_failure_reaches_the_consumer(coord):
         feed.next_batch()  # never "active" with nobody feeding it
 
 
-def test_feed_timeout_with_a_slow_source_and_negative_timeout(coord):
+@contextlib.contextmanager
+def gated_source(coord):
+    """A started source whose fetchers wait on a gate; the gate opens at exit so threads can end."""
     gate = threading.Event()
 
     def slow(worker_id, batch_size):
@@ -220,33 +223,28 @@ def test_feed_timeout_with_a_slow_source_and_negative_timeout(coord):
     feeder.init_data_input_workers(None, ["x"], slow, 4, coordinator=coord)
     coord.start()
     try:
-        t0 = time.monotonic()
-        with pytest.raises(feeder.FeedTimeout):
-            coord.feed("train").next_batch(timeout=0.2)
-        assert 0.2 <= time.monotonic() - t0 < 1.0
-        with pytest.raises(ValueError):
-            coord.feed("train").next_batch(timeout=-1)
+        yield coord.feed("train")
     finally:
         gate.set()
+
+
+def test_feed_timeout_with_a_slow_source_and_negative_timeout(coord):
+    with gated_source(coord) as feed:
+        t0 = time.monotonic()
+        with pytest.raises(feeder.FeedTimeout):
+            feed.next_batch(timeout=0.2)
+        assert 0.2 <= time.monotonic() - t0 < 1.0
+        with pytest.raises(ValueError):
+            feed.next_batch(timeout=-1)
 
 
 def test_starved_consumer_warns_that_data_input_is_slow(coord, caplog, monkeypatch):
     monkeypatch.setattr(feeder.feed, "SLOW_INPUT_WARN_S", 0.2)
-    gate = threading.Event()
-
-    def slow(worker_id, batch_size):
-        gate.wait(5)
-        return rows()
-
-    feeder.init_data_input_workers(None, ["x"], slow, 4, coordinator=coord)
-    coord.start()
-    try:
+    with gated_source(coord) as feed:
         with caplog.at_level(logging.WARNING, logger="feeder"):
             with pytest.raises(feeder.FeedTimeout):
-                coord.feed("train").next_batch(timeout=0.5)
+                feed.next_batch(timeout=0.5)
         assert any("data input is slow" in r.getMessage() for r in caplog.records)
-    finally:
-        gate.set()
 
 
 class RaisingLogger:
