@@ -397,7 +397,7 @@ class Feed:
             "bytes_copied": float(self._rebatcher.copied_bytes + sum(w.copied_bytes for w in self._workers)),
             "zero_copy_batches": float(self._rebatcher.zero_copy_batches),
         }
-        return m
+        return {k: float(v) for k, v in m.items()}  # the contract: dict[str, float]
 
     def _report(self, final: bool = False) -> None:
         m = self.metrics()

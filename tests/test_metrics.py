@@ -1,0 +1,41 @@
+"""Throughput logging and metrics: log lines, external loggers, metrics() contents."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+import feeder
+from utils import ListLogger
+
+
+def test_metrics_are_floats_and_count_what_happened(coord):
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.zeros((3, 2), np.float32)], 4, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(10):
+        feed.next_batch(timeout=10)
+    m = feed.metrics()
+    assert all(isinstance(k, str) and isinstance(v, float) for k, v in m.items())
+    assert m["batches"] == 10 and m["rows"] == 40 and m["batch_size"] == 4
+    assert m["inputs_per_sec"] > 0 and m["queue_capacity"] == 800
+    for key in ("queue_size", "ready_batches", "chunks_fetched", "fetch_errors", "source_rows_fetched",
+                "source_rows_delivered", "source_rows_buffered", "consumer_wait_s", "live_workers"):
+        assert key in m
+
+
+def test_throughput_is_logged_every_interval_and_at_stop(coord, caplog):
+    ext = ListLogger()
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.zeros((3, 2), np.float32)], 4,
+                                   external_loggers=[ext], log_interval=0.05, coordinator=coord)
+    with caplog.at_level(logging.INFO, logger="feeder"):
+        coord.start()
+        assert ext.got.wait(5)
+        coord.feed("train").next_batch(timeout=10)
+        periodic = len(ext.records)
+        coord.stop()
+    lines = [r.getMessage() for r in caplog.records if "inputs/s" in r.getMessage()]
+    assert lines and all("'train'" in line and "queue" in line for line in lines)
+    assert any("(final)" in line for line in lines)
+    assert len(ext.records) > periodic >= 1  # the final report reached the external logger too
+    assert all(isinstance(v, float) for v in ext.records[-1].values())
