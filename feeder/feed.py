@@ -182,6 +182,7 @@ class Feed:
             if item is EMPTY:
                 if source.failure is not None:
                     return
+                source.flush_held()
                 continue
             if item is CLOSED:
                 return

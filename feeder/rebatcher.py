@@ -230,6 +230,12 @@ class Rebatcher:
             limit -= k
         return pieces
 
+    def restore_front(self, pieces: Sequence[Tuple[int, Arrays]]) -> None:
+        """Put pieces from ``take_pieces`` back in front, in their order."""
+        for rows, piece in reversed(pieces):
+            self._pending.appendleft((rows, piece))
+            self._pending_rows += rows
+
     def drop(self) -> int:
         """Discard all pending rows; returns how many were discarded."""
         n = self._pending_rows

@@ -100,6 +100,7 @@ class ChunkQueue:
         self.bytes_held = 0
         self.max_bytes_seen = 0
         self._holders: List[Callable[[], int]] = []  # each feed's "rows I hold" counter
+        self._flushers: List[Callable[[float], None]] = []  # coalescing fetchers' flush_if_stale
         self._feeds_ended = 0
 
     # ---- configuration -------------------------------------------------------------
@@ -245,6 +246,17 @@ class ChunkQueue:
         """Register a feed's count of the rows it holds (leftover, in flight, ready)."""
         with self._lock:
             self._holders.append(held_rows)
+
+    def add_flusher(self, flush_if_stale: Callable[[float], None]) -> None:
+        with self._lock:
+            self._flushers.append(flush_if_stale)
+
+    def flush_held(self) -> None:
+        """Ask coalescing fetchers to put rows they have held too long (called by an enqueuer
+        that found the queue empty: those rows may be all it is waiting for)."""
+        now = time.monotonic()
+        for flush in list(self._flushers):
+            flush(now)
 
     def single_stream(self) -> bool:
         """One worker and one feed: that feed sees exactly that worker's chunks, in order."""

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError
@@ -95,41 +95,114 @@ def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.E
     return True
 
 
+class Coalescer:
+    """One fetcher's coalescing state: the rows it holds, cut into whole batches as they come.
+
+    The fetcher thread calls ``add`` and ``put_pending`` holding ``lock``. Any other thread may
+    call ``flush_if_stale``: held rows must not wait on a ``fetch_fun`` call that blocks (the
+    enqueuer calls it whenever it finds the queue empty).
+    """
+
+    def __init__(self, worker_id: int, source: ChunkQueue, axes: Sequence[int], batch_size: int,
+                 put: Callable[[Chunk], bool]):
+        self.lock = threading.Lock()
+        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING))
+        self.held_since = 0.0  # when the oldest held row arrived (monotonic s); 0.0: holds none
+        # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
+        # keep coalesced batches on its batch boundaries (see the module docstring).
+        self.realign = source.single_stream()
+        self.offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
+        self.unput = 0   # chunks added since the last put: the queue slots a batch stands for
+        self._wid = worker_id
+        self._source = source
+        self._put = put
+
+    def _put_raw(self, arrays: tuple, rows: int, put: Callable[[Chunk], bool]) -> bool:
+        if not put(Chunk(self._wid, arrays, rows)):
+            return False
+        self.offset = (self.offset + rows) % self.rb.batch_size
+        return True
+
+    def put_pending(self, limit: Optional[int] = None, put: Optional[Callable[[Chunk], bool]] = None) -> bool:
+        """Put (up to ``limit`` of) the held rows, uncopied (the enqueuer copies them once).
+        False if a put failed; the rows not put are kept, in order."""
+        put = put or self._put
+        self.unput = 0
+        pieces = self.rb.take_pieces(limit)
+        for i, (rows, arrays) in enumerate(pieces):
+            if not self._put_raw(arrays, rows, put):
+                self.rb.restore_front(pieces[i:])
+                return False
+        if not self.rb.pending_rows:
+            self.held_since = 0.0
+        return True
+
+    def add(self, arrays: tuple, rows: int, bs: int, now: float, slow_call: bool) -> bool:
+        """Take a validated chunk; put what makes whole batches. False if a put failed (stop)."""
+        rb = self.rb
+        if bs != rb.batch_size:
+            rb.set_batch_size(bs)
+            self.realign = False  # the enqueuer's boundaries moved: alignment is no longer known
+        if rows * COALESCE_FRACTION > bs:
+            # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
+            # buffer it reuses. Rows held before it go first, so that order is kept.
+            if rb.pending_rows and not self.put_pending():
+                return False
+            return self._put_raw(arrays, rows, self._put)
+        if not rb.pending_rows:
+            self.held_since = now
+        pending = rb.add(arrays, rows)
+        self.unput += 1
+        if pending < bs:
+            return self.put_pending() if slow_call else True  # a slow source: put rows as they come
+        if self.realign and self.offset:
+            if not self.put_pending(bs - self.offset):
+                return False
+            if rb.pending_rows < bs:
+                self.held_since = time.monotonic() if rb.pending_rows else 0.0
+                return True
+        while (batch := rb.pop()) is not None:
+            slots, self.unput = max(1, self.unput), 0
+            if not self._put(Chunk(self._wid, tuple(batch), bs, slots)):
+                return False
+        self.held_since = time.monotonic() if rb.pending_rows else 0.0
+        if self.held_since and slow_call:
+            return self.put_pending()
+        return True
+
+    def flush_if_stale(self, now: float) -> None:
+        """Put rows held longer than COALESCE_HOLD_S; never blocks (any thread)."""
+        if not self.held_since or now - self.held_since < COALESCE_HOLD_S:
+            return
+        if not self.lock.acquire(blocking=False):
+            return  # the fetcher is busy with them itself
+        try:
+            if self.held_since and now - self.held_since >= COALESCE_HOLD_S:
+                self.put_pending(put=lambda chunk: self._source.put(chunk, 0.0) is True)
+        finally:
+            self.lock.release()
+
+
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
                stop: threading.Event, max_fetch_errors: int, coalesce: bool) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure."""
     wid = state.worker_id
-    rb = Rebatcher(batch_size(), validator.axes, BufferRing(COALESCE_RING)) if coalesce else None
-    held_since = 0.0  # when the oldest row the coalescer holds arrived (monotonic s); 0.0: holds none
-    realign = coalesce and source.single_stream()
-    offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
-    unput = 0   # chunks added to the coalescer since the last put: the queue slots a batch stands for
+    co = None
+    if coalesce:
+        co = Coalescer(wid, source, validator.axes, batch_size(), lambda chunk: _put(source, chunk, state, stop))
+        source.add_flusher(co.flush_if_stale)
 
-    def put_raw(arrays: tuple, rows: int) -> bool:
-        nonlocal offset
-        if not _put(source, Chunk(wid, arrays, rows), state, stop):
-            return False
-        offset = (offset + rows) % rb.batch_size
-        return True
-
-    def put_pending(limit: Optional[int] = None) -> bool:
-        """Put (up to ``limit`` of) the rows a coalescing fetcher holds, uncopied: the enqueuer
-        copies them once."""
-        nonlocal offset, unput
-        unput = 0
-        for rows, arrays in rb.take_pieces(limit):
-            if not put_raw(arrays, rows):
-                return False
-        return True
+    def put_held() -> bool:
+        with co.lock:
+            return co.put_pending()
 
     monotonic = time.monotonic
     check = validator.check
     try:
         while not stop.is_set() and source.failure is None:
-            if held_since and monotonic() - held_since > COALESCE_HOLD_S:
-                held_since = 0.0
-                if not put_pending():
+            if co is not None and co.held_since and monotonic() - co.held_since > COALESCE_HOLD_S:
+                if not put_held():
                     return
             bs = batch_size()
             if state.state is not IN_FETCH:
@@ -139,7 +212,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             try:
                 raw = fetch_fun(wid, bs)
             except StopIteration:
-                if rb is not None and not put_pending():
+                if co is not None and not put_held():
                     return
                 state.set("ended (StopIteration)")
                 source.worker_ended(wid)
@@ -177,46 +250,14 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 continue
             state.chunks += 1
             state.rows += rows
-            if rb is None:
+            if co is None:
                 if not _put(source, Chunk(wid, arrays, rows), state, stop):
                     return
                 continue
-            if bs != rb.batch_size:
-                rb.set_batch_size(bs)
-                realign = False  # the enqueuer's boundaries moved: alignment is no longer known
-            if rows * COALESCE_FRACTION > bs:
-                # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
-                # buffer it reuses. Rows held before it go first, so that order is kept.
-                if (rb.pending_rows and not put_pending()) or not put_raw(arrays, rows):
+            with co.lock:
+                if not co.add(arrays, rows, bs, now, now - state.since > COALESCE_SLOW_CALL_S):
                     return
-                held_since = 0.0
-                continue
-            if not held_since:
-                held_since = now
-            pending = rb.add(arrays, rows)
-            unput += 1
-            if pending < bs:
-                if now - state.since > COALESCE_SLOW_CALL_S:  # a slow source: put rows as they come
-                    held_since = 0.0
-                    if not put_pending():
-                        return
-                continue
-            if realign and offset:
-                if not put_pending(bs - offset):
-                    return
-                if rb.pending_rows < bs:
-                    held_since = monotonic() if rb.pending_rows else 0.0
-                    continue
-            while (batch := rb.pop()) is not None:
-                state.copied_bytes = rb.copied_bytes
-                slots, unput = max(1, unput), 0
-                if not _put(source, Chunk(wid, tuple(batch), bs, slots), state, stop):
-                    return
-            held_since = monotonic() if rb.pending_rows else 0.0
-            if held_since and now - state.since > COALESCE_SLOW_CALL_S:
-                held_since = 0.0
-                if not put_pending():
-                    return
+            state.copied_bytes = co.rb.copied_bytes
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
         state.set("failed")
         source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "

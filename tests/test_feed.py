@@ -211,3 +211,27 @@ def test_each_byte_is_copied_at_most_once(coord, workers, slow_every):
         # most batches were assembled by the fetchers and handed on uncopied (rows a fetcher held
         # past COALESCE_HOLD_S, e.g. while other threads had the GIL, are put raw and copied once)
         assert m["zero_copy_batches"] >= 0.5 * m["batches"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rows_held_for_coalescing_do_not_wait_on_a_blocking_fetch(coord, workers):
+    """Tiny chunks are held to be coalesced; if the next fetch_fun call blocks, they still go on."""
+    gate = threading.Event()
+    calls = {}
+
+    def fetch(worker_id, batch_size):
+        n = calls[worker_id] = calls.get(worker_id, 0) + 1
+        if n <= 4:
+            return [np.full(2, worker_id * 100 + n, np.int64)]  # 2 rows: a quarter of a batch
+        gate.wait(10)  # waits for new input, for a long time
+        raise StopIteration
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 8 if workers == 1 else 16, num_worker_threads=workers,
+                                   coordinator=coord, timeout=5)
+    coord.start()
+    try:
+        batch = coord.feed("train").next_batch(timeout=2)  # the fetched rows make one whole batch
+        assert sorted(batch["x"].tolist()) == sorted(w * 100 + n for w in range(workers) for n in (1, 2, 3, 4)
+                                                     for _ in range(2))
+    finally:
+        gate.set()
