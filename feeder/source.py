@@ -150,8 +150,15 @@ class ChunkQueue:
             return True
 
     def _has_room(self, chunk: Chunk) -> bool:
-        if self.max_bytes is not None and self.bytes_held and self.bytes_held + chunk.nbytes > self.max_bytes:
-            return False  # an oversized chunk still goes through alone, or the source would deadlock
+        if self.max_bytes is not None and self.bytes_held + chunk.nbytes > self.max_bytes:
+            # Over the byte bound, but the bytes held include the feeds' leftover rows, which only
+            # move on when more rows come: refusing every chunk could deadlock. So one chunk is
+            # let in whenever the enqueuers have nothing queued to work with (in ordered mode:
+            # the chunk whose turn it is), and the bound holds to within that chunk.
+            if self.ordered:
+                turn = self._rotation[self._pos] if self._rotation else None
+                return chunk.worker_id == turn and not self._per_worker[chunk.worker_id]
+            return not self._items
         if self.ordered:
             cap = max(1, self.maxsize // max(1, len(self._workers)))
             return len(self._per_worker[chunk.worker_id]) < cap

@@ -5,9 +5,10 @@ import threading
 import tracemalloc
 
 import numpy as np
+import pytest
 
 import feeder
-from utils import wait_until
+from utils import Dataset, check_aligned, wait_until
 
 ROW_BYTES = 1024 * 4  # 1024 float32 per row
 CHUNK_ROWS = 64       # 256 KiB per chunk
@@ -60,3 +61,30 @@ def test_without_a_byte_bound_the_chunk_queue_bounds_memory_in_chunks(coord):
     feed = coord.feed("train")
     wait_until(lambda: feed.source.full(), what="a full queue")
     assert feed.source.qsize() == 5
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_tight_byte_bound_never_deadlocks(ordered, replicas):
+    """Leftover rows count as held and only move on when more rows come: a bound near one batch
+    must still let the source finish (found in review: it used to stall for good)."""
+    coord = feeder.GlobalCoordinator()
+    chunk_rows, batch = 6, 8  # chunks of 3/4 of a batch
+    row_bytes = 8 * 8
+    data = Dataset(400, sizes=(chunk_rows,), width=8)  # one dataset, shared by the replicas
+    try:
+        for _ in range(replicas):
+            feeder.init_data_input_workers(None, ["id", "x"], data, batch,
+                                           num_worker_threads=2, ordered=ordered, coordinator=coord, timeout=5,
+                                           max_buffered_bytes=int(1.25 * batch * (row_bytes + 8)))
+        coord.start()
+        got = []
+        threads = [threading.Thread(target=lambda f=f: got.extend(check_aligned(b) for b in f))
+                   for f in coord.feeds("train")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert sorted(np.concatenate(got).tolist()) == list(range(400))
+    finally:
+        assert coord.stop() is True
