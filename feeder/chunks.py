@@ -81,14 +81,14 @@ class ChunkValidator:
             fast.append((spec.dtype, ax, other, len(spec.shape)))
         self._fast = fast
         if len(fast) == 1 and fast[0][1] == 0:
-            self._single = (fast[0][0], fast[0][2])
+            self._single = (fast[0][0], fast[0][2], fast[0][3])
 
     def check(self, chunk: Any, worker_id: int) -> Tuple[Tuple[np.ndarray, ...], int]:
         """Validate ``chunk``; returns (arrays in input order, row count) or raises."""
         single = self._single
         if single is not None and type(chunk) in (list, tuple) and len(chunk) == 1:
             a = chunk[0]  # the commonest case, one input batched on axis 0, checked inline
-            if type(a) is np.ndarray and a.dtype is single[0] and a.shape[1:] == single[1]:
+            if type(a) is np.ndarray and a.dtype is single[0] and a.ndim == single[2] and a.shape[1:] == single[1]:
                 return (a,), a.shape[0]
         fast = self._fast
         if fast is not None and type(chunk) in (list, tuple) and len(chunk) == len(fast):
@@ -99,10 +99,9 @@ class ChunkValidator:
                 if type(a) is not np.ndarray or a.dtype is not dtype:
                     break
                 shape = a.shape
-                if ax == 0:
-                    if shape[1:] != other:
-                        break
-                elif len(shape) != ndim or shape[:ax] + shape[ax + 1:] != other:
+                if len(shape) != ndim:
+                    break
+                if (shape[1:] if ax == 0 else shape[:ax] + shape[ax + 1:]) != other:
                     break
                 if rows < 0:
                     rows = shape[ax]
@@ -205,9 +204,13 @@ class ChunkValidator:
         with self._lock:
             if self._learned:
                 return False
+            # A str/bytes array makes a string input (any width; object arrays of str accepted too);
+            # any other dtype is fixed to the first chunk's.
             self.specs = [
-                InputSpec(s.name, s.dtype if s.dtype is not None or s.is_string else a.dtype,
-                          tuple(None if d == ax else a.shape[d] for d in range(a.ndim)), s.is_string)
+                InputSpec(s.name,
+                          None if s.is_string or a.dtype.kind in "US" else (s.dtype if s.dtype is not None else a.dtype),
+                          tuple(None if d == ax else a.shape[d] for d in range(a.ndim)),
+                          s.is_string or a.dtype.kind in "US")
                 for s, a, ax in zip(self.specs, arrays, self.axes)]
             self._learned = True
             self._build_fast()

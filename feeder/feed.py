@@ -94,6 +94,7 @@ class Feed:
         self._stopped = False
         self._ended = False
         self._pending_batch_size: Optional[int] = None
+        self._batch_size_lock = threading.Lock()
         self._inflight_rows = 0
         self.counters = Counters("batches", "rows", "bytes", "wait_s")  # bumped by consumer threads
         # Written only by the enqueuer thread, so plain ints suffice:
@@ -158,8 +159,17 @@ class Feed:
         check_batch_size(batch_size, self._specs, self._axes, self.dont_rebatch)
 
     def _set_batch_size(self, batch_size: int) -> None:
-        self._batch_size = int(batch_size)
-        self._pending_batch_size = int(batch_size)
+        with self._batch_size_lock:
+            self._batch_size = int(batch_size)
+            self._pending_batch_size = int(batch_size)
+
+    def _take_new_batch_size(self) -> Optional[int]:
+        """The batch size set since the enqueuer last looked, if any (each reset is seen once)."""
+        if self._pending_batch_size is None:
+            return None
+        with self._batch_size_lock:
+            n, self._pending_batch_size = self._pending_batch_size, None
+            return n
 
     # ---- enqueuer ----------------------------------------------------------------------
     def _enqueue_loop(self) -> None:
@@ -173,9 +183,9 @@ class Feed:
     def _enqueue(self) -> None:
         rb, source, stop = self._rebatcher, self.source, self._stop
         while not stop.is_set():
-            if self._pending_batch_size is not None:
-                rb.set_batch_size(self._pending_batch_size)
-                self._pending_batch_size = None
+            new_size = self._take_new_batch_size()
+            if new_size is not None:
+                rb.set_batch_size(new_size)
                 if not self._emit_full_batches():
                     return
             item = source.get(SLICE_S)
@@ -203,9 +213,9 @@ class Feed:
     def _emit_full_batches(self) -> bool:
         rb = self._rebatcher
         while True:
-            if self._pending_batch_size is not None:
-                rb.set_batch_size(self._pending_batch_size)
-                self._pending_batch_size = None
+            new_size = self._take_new_batch_size()
+            if new_size is not None:
+                rb.set_batch_size(new_size)
             arrays = rb.pop()
             if arrays is None:
                 return True
@@ -270,7 +280,7 @@ class Feed:
         self._check_usable()
         if timeout is None:
             timeout = self.timeout
-        elif timeout < 0:
+        elif not timeout >= 0:  # also NaN, which would wait forever
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
         start = time.monotonic()
         deadline = start + timeout

@@ -274,7 +274,9 @@ class Rebatcher:
         self._pending_rows -= n
         parts = list(zip(*pieces))  # per input
         shapes = [_batch_shape(p[0], ax, n) for p, ax in zip(parts, axes)]
-        dtypes = [p[0].dtype for p in parts]
+        # Strings of different widths (or str and object) widen to hold them all, never truncate.
+        dtypes = [p[0].dtype if p[0].dtype.kind not in "USO" else np.result_type(*(q.dtype for q in p))
+                  for p in parts]
         if use_ring and self._ring is not None:
             out = self._ring.take(shapes, dtypes)
         else:

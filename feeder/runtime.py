@@ -249,8 +249,8 @@ class StatefulSession:
             self.session.run_with_iobinding(b, run_options)
             got = dict(zip(plain, (ov.numpy() for ov in b.get_outputs()[:len(plain)])))
             for out_name, in_name in self._state.items():
-                if out_name in names:
-                    got[out_name] = self._next[out_name].numpy()
+                if out_name in names:  # numpy() is a view of a buffer the step after next overwrites
+                    got[out_name] = np.array(self._next[out_name].numpy(), copy=True)
                 # the swap: this step's outputs are the next step's inputs, and the old inputs'
                 # buffers are written by the next step
                 self._cur[in_name], self._next[out_name] = self._next[out_name], self._cur[in_name]

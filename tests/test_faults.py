@@ -236,6 +236,8 @@ def test_feed_timeout_with_a_slow_source_and_negative_timeout(coord):
         assert 0.2 <= time.monotonic() - t0 < 1.0
         with pytest.raises(ValueError):
             feed.next_batch(timeout=-1)
+        with pytest.raises(ValueError):
+            feed.next_batch(timeout=float("nan"))  # would wait forever
 
 
 def test_starved_consumer_warns_that_data_input_is_slow(coord, caplog, monkeypatch):

@@ -235,3 +235,19 @@ def test_rows_held_for_coalescing_do_not_wait_on_a_blocking_fetch(coord, workers
                                                      for _ in range(2))
     finally:
         gate.set()
+
+
+def test_string_inputs_of_any_width_are_never_truncated(coord):
+    texts = iter(["ab", "abcdefghij", "x", "a much longer string than the others"] * 50)
+
+    def fetch(worker_id, batch_size):
+        t = next(texts)
+        return {"text": np.array([t]), "n": np.array([len(t)])}
+
+    feeder.init_data_input_workers(None, ["text", "n"], fetch, 3, num_worker_threads=1, coordinator=coord,
+                                   timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(20):
+        batch = feed.next_batch()
+        assert [len(t) for t in batch["text"].tolist()] == batch["n"].tolist()

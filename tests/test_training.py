@@ -190,3 +190,17 @@ def test_train_and_eval_sources_on_one_coordinator(coord):
             (p,) = coord.feed("test").run()
             accs.append(float(np.mean((p > 0.5) == (y_test > 0.5))))
     assert accs[-1] > 0.95
+
+
+def test_returned_state_outputs_are_copies(coord):
+    adapter = feeder.StatefulSession(session(logistic_train_step(DIM)), LOGISTIC_STATE, logistic_zero_state(DIM))
+    x, y = separable(2000, seed=7)
+    feeder.init_data_input_workers(adapter, None, chunked(x, y), 16, num_worker_threads=1, coordinator=coord,
+                                   timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    (w1,) = feed.run(["W_new"])
+    kept = w1.copy()
+    for _ in range(3):
+        feed.run(["loss"])  # the buffers swap and are written again
+    np.testing.assert_array_equal(w1, kept)

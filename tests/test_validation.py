@@ -164,3 +164,21 @@ def test_dont_rebatch_sessionless_allows_varying_shapes(coord):
                                    coordinator=coord, timeout=10)
     coord.start()
     assert {coord.feed("train").next_batch()["x"].shape[1] for _ in range(4)} == {3, 4}
+
+
+def test_zero_dimensional_array(coord):
+    msg = failing_source(coord, [np.ones((), np.float32)], sess=session(linear_model()))
+    assert "input 'x'" in msg and "rank" in msg
+
+
+def test_zero_dimensional_array_after_good_chunks(coord):
+    calls = iter(range(10))
+
+    def fetch(worker_id, batch_size):
+        return [np.ones((2, 3), np.float32) if next(calls) < 2 else np.ones((), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, num_worker_threads=1, coordinator=coord, timeout=10)
+    coord.start()
+    with pytest.raises(feeder.InputValidationError, match="input 'x'.*rank"):
+        for _ in range(5):
+            coord.feed("train").next_batch()
