@@ -112,7 +112,7 @@ def init_data_input_workers(
                     last_batch=last_batch, log_interval=log_interval, cast=cast,
                     max_fetch_errors=max_fetch_errors)
 
-    coord._register(make_feed, name=input_source_name, input_names=names,
+    coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,
                     ordered=ordered, max_bytes=max_buffered_bytes)
     return coord

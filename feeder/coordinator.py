@@ -16,6 +16,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .errors import FeederError
 from .feed import Feed
 from .metrics import Monitor
 from .source import ChunkQueue
@@ -51,6 +52,7 @@ class GlobalCoordinator:
         self._next_worker_id = 0
         self._monitor: Optional[Monitor] = None
         self._atexit: Optional[Callable[[], None]] = None
+        self._starting = False  # inside start(): an init_fun calling start() again is an error
 
     # ---- registration ------------------------------------------------------------------
     def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
@@ -68,13 +70,20 @@ class GlobalCoordinator:
             return ids
 
     def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
-                  input_names: Sequence[str], max_buffered_batches: int, num_workers: int, ordered: bool,
-                  max_bytes: Optional[int]) -> Feed:
+                  input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
+                  max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int]) -> Feed:
         with self._lock:
             for other in self._feeds:
-                if other.input_source_name == name and other.input_names != list(input_names):
-                    raise ValueError(f"source {name!r} is already fed with inputs {other.input_names}; a replica "
-                                     f"must feed the same inputs, got {list(input_names)}")
+                if other.input_source_name != name:
+                    continue
+                # Replicas take each other's chunks, so they must agree on what a chunk is.
+                mine = {"inputs": list(input_names), "batch_columns": list(batch_axes), "dont_rebatch": dont_rebatch}
+                theirs = {"inputs": other.input_names, "batch_columns": list(other._axes),
+                          "dont_rebatch": other.dont_rebatch}
+                for key in mine:
+                    if mine[key] != theirs[key]:
+                        raise ValueError(f"source {name!r} is already fed with {key}={theirs[key]}; a replica "
+                                         f"must use the same, got {mine[key]}")
             q = self.get_queue(name, max_buffered_batches)
             q.configure(ordered=ordered, max_bytes=max_bytes)
             ids = self._take_worker_ids(num_workers)
@@ -91,9 +100,15 @@ class GlobalCoordinator:
         An exception from an ``init_fun`` propagates unchanged and no thread is started.
         """
         with self._lock:
+            if self._starting:
+                raise FeederError("start() was called from an init_fun; init_funs run inside start()")
             pending = [f for f in self._feeds if not f._started]
-            for feed in pending:
-                feed._run_init()
+            self._starting = True
+            try:
+                for feed in pending:
+                    feed._run_init()
+            finally:
+                self._starting = False
             for feed in pending:
                 feed._start_threads()
             if self._monitor is None and self._feeds:
@@ -155,7 +170,10 @@ class GlobalCoordinator:
                 log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
         if monitor is not None:
             # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
-            monitor.final([functools.partial(f._report, final=True) for f in feeds if f._started])
+            reported = monitor.final([functools.partial(f._report, final=True) for f in feeds if f._started])
+            if not stop_monitor and not reported.wait(max(deadline - time.monotonic(), MONITOR_JOIN_S)):
+                log.warning("feeder stop: the final throughput reports of %s did not finish in time (a slow "
+                            "external logger?)", sorted({f.input_source_name for f in feeds}))
             if stop_monitor:
                 monitor.stop()
                 _join_all([monitor.thread], max(deadline, time.monotonic() + MONITOR_JOIN_S))

@@ -92,10 +92,12 @@ class Monitor:
     def start(self) -> None:
         self.thread.start()
 
-    def final(self, reports: Iterable[Callable[[], None]]) -> None:
-        """Run these reports soon, before anything else."""
-        self._finals.extend(reports)
+    def final(self, reports: Iterable[Callable[[], None]]) -> threading.Event:
+        """Run these reports soon, before anything else; the event is set once they have run."""
+        done = threading.Event()
+        self._finals.extend(list(reports) + [done.set])
         self._wake.set()
+        return done
 
     def stop(self) -> None:
         """Exit after the final reports queued so far."""

@@ -183,3 +183,36 @@ def test_global_coordinator_is_the_default():
         assert c.feed("default-test").next_batch(timeout=10)["x"].shape == (2, 2)
     finally:
         assert feeder.global_coordinator.stop() is True
+
+
+def test_init_fun_calling_start_is_an_error_not_a_recursion(coord):
+    def init(feed, c):
+        c.start()
+
+    feeder.init_data_input_workers(None, ["x"], zeros, 2, init_fun=init, coordinator=coord)
+    with pytest.raises(feeder.FeederError, match="init_fun"):
+        coord.start()
+    assert not [t for t in threading.enumerate() if t.name.startswith("feeder:")]
+
+
+def test_replicas_must_agree_on_batch_columns_and_dont_rebatch(coord):
+    feeder.init_data_input_workers(None, ["x"], zeros, 2, coordinator=coord)
+    with pytest.raises(ValueError, match="batch_columns"):
+        feeder.init_data_input_workers(None, ["x"], zeros, 2, batch_columns=[1], coordinator=coord)
+    with pytest.raises(ValueError, match="dont_rebatch"):
+        feeder.init_data_input_workers(None, ["x"], zeros, 2, dont_rebatch=True, coordinator=coord)
+
+
+def test_stop_coordinator_hands_the_final_report_over_before_returning(coord):
+    from utils import ListLogger
+
+    a, b = ListLogger(), ListLogger()
+    feeder.init_data_input_workers(None, ["x"], zeros, 2, input_source_name="a", external_loggers=[a],
+                                   coordinator=coord)
+    feeder.init_data_input_workers(None, ["x"], zeros, 2, input_source_name="b", external_loggers=[b],
+                                   coordinator=coord)
+    coord.start()
+    coord.feed("a").next_batch(timeout=10)
+    assert coord.stop_coordinator("a") is True
+    assert len(a.records) == 1 and a.records[0]["batches"] == 1.0  # the final report, already delivered
+    assert b.records == []
