@@ -73,7 +73,7 @@ def test_feed_lookup(coord):
 
 def test_replicas_must_feed_the_same_inputs(coord):
     feeder.init_data_input_workers(None, ["x"], zeros, 2, coordinator=coord)
-    with pytest.raises(ValueError, match="same inputs"):
+    with pytest.raises(ValueError, match="inputs=.*must use the same"):
         feeder.init_data_input_workers(None, ["y"], zeros, 2, coordinator=coord)
 
 
