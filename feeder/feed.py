@@ -21,7 +21,7 @@ import numpy as np
 
 from .chunks import ChunkValidator, InputSpec
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
-from .metrics import Counters, RateMeter, send_to_external_loggers
+from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
 from .rebatcher import BufferRing, Rebatcher
 from .runtime import PreparedBatch, Runner
 from .source import CLOSED, EMPTY, END, ChunkQueue
@@ -96,7 +96,7 @@ class Feed:
         self._pending_batch_size: Optional[int] = None
         self._batch_size_lock = threading.Lock()
         self._inflight_rows = 0
-        self.counters = Counters("batches", "rows", "bytes", "wait_s")  # bumped by consumer threads
+        self.counters = ConsumerCounters()
         # Written only by the enqueuer thread, so plain ints suffice:
         self._rows_taken = 0
         self._rows_dropped = 0
@@ -298,7 +298,7 @@ class Feed:
             except queue.Empty:
                 now = time.monotonic()
                 if now >= deadline:
-                    self.counters.add("wait_s", now - start)
+                    self.counters.waited(now - start)
                     raise FeedTimeout(self._diagnose(now - start)) from None
                 if not warned and now - start > SLOW_INPUT_WARN_S:
                     warned = True
@@ -311,7 +311,7 @@ class Feed:
                 if self.source.feed_reached_end():
                     self.source.check_ledger("end of data")
                 raise StopIteration
-            self.counters.add_many(batches=1, rows=item.rows, bytes=item.nbytes, wait_s=time.monotonic() - start)
+            self.counters.took(item.rows, item.nbytes, time.monotonic() - start)
             self.source.delivered(item.rows, item.nbytes)
             return item
 
@@ -342,7 +342,7 @@ class Feed:
 
     def _check_ledger(self, when: str) -> bool:
         """Rows this feed took from its source = rows delivered + dropped + still held. Never fails."""
-        delivered = self.counters.get("rows")
+        delivered = self.counters.rows
         held = self._held_rows()
         ok = self._rows_taken == delivered + self._rows_dropped + held
         if not ok:

@@ -1,7 +1,7 @@
 """Thread-safe counters, throughput reports and the monitor thread that emits them.
 
-Counters are bumped from fetcher, enqueuer and consumer threads, so every update takes
-a lock (Caffe2's unlocked ``+=`` lost counts). Reports go to the ``"feeder"`` logger at
+Every counter has one writer thread (fetchers count in their own WorkerState, the enqueuer
+in the feed) or, for consumers, a lock (Caffe2's unlocked ``+=`` lost counts). Reports go to the ``"feeder"`` logger at
 INFO and, as a flat ``dict[str, float]``, to each external logger's ``log(metrics)``; a
 logger that raises is logged and kept.
 """
@@ -16,29 +16,32 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 log = logging.getLogger("feeder")
 
 
-class Counters:
-    """Named integer/float counters, safe to bump from any thread."""
+class ConsumerCounters:
+    """What consumers took from a feed. Several consumer threads may share a feed, so updates
+    take a lock (Caffe2's unlocked ``+=`` lost counts); the fields are plain attributes so that
+    the per-batch update is cheap."""
 
-    def __init__(self, *names: str):
+    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s")
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: Dict[str, float] = {n: 0 for n in names}
+        self.batches = self.rows = self.bytes = 0
+        self.wait_s = 0.0
 
-    def add(self, name: str, n: float = 1) -> None:
+    def took(self, rows: int, nbytes: int, wait_s: float) -> None:
         with self._lock:
-            self._values[name] = self._values.get(name, 0) + n
+            self.batches += 1
+            self.rows += rows
+            self.bytes += nbytes
+            self.wait_s += wait_s
 
-    def add_many(self, **deltas: float) -> None:
+    def waited(self, wait_s: float) -> None:
         with self._lock:
-            for name, n in deltas.items():
-                self._values[name] = self._values.get(name, 0) + n
-
-    def get(self, name: str) -> float:
-        with self._lock:
-            return self._values.get(name, 0)
+            self.wait_s += wait_s
 
     def snapshot(self) -> Dict[str, float]:
         with self._lock:
-            return dict(self._values)
+            return {"batches": self.batches, "rows": self.rows, "bytes": self.bytes, "wait_s": self.wait_s}
 
 
 class RateMeter:

@@ -38,6 +38,10 @@ def take_rows(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return a[tuple(index)]
 
 
+# Whether a reference count says that nobody else holds a buffer. Not on a free-threaded build,
+# where counts of objects shared between threads are deferred: there the ring never reuses.
+_REFCOUNTS_TELL = getattr(sys, "_is_gil_enabled", lambda: True)()
+
 SMALL_COPY_BYTES = 64 * 1024  # pieces up to this size are copied without releasing the GIL
 
 
@@ -113,7 +117,7 @@ class BufferRing:
         key = (tuple(shapes), tuple(dtypes))
         if key != self._key:
             self._key, self._sets, self._last = key, [], 0
-        n = len(self._sets)
+        n = len(self._sets) if _REFCOUNTS_TELL else 0
         for i in range(n):
             # Newest free set first: the buffer the consumer dropped last is the likeliest to
             # still be in cache.
@@ -156,17 +160,12 @@ class Rebatcher:
         self._ring = ring
         self.reorder = reorder
         self._pending: Deque[Tuple[int, Arrays]] = deque()  # (rows, arrays) of views not yet handed out
-        self._pending_rows = 0
+        self.pending_rows = 0  # rows received and not yet handed out in a batch (read-only outside)
         self.batch_size = 0
         self.set_batch_size(batch_size)
         self.copied_bytes = 0  # bytes copied into assembled batches
         self.zero_copy_batches = 0
         self.copied_batches = 0
-
-    @property
-    def pending_rows(self) -> int:
-        """Rows received and not yet handed out in a batch."""
-        return self._pending_rows
 
     @property
     def pending_nbytes(self) -> int:
@@ -193,12 +192,17 @@ class Rebatcher:
                     raise ValueError(f"row counts differ between inputs: {a.shape[ax]} vs {rows}")
         if rows:
             self._pending.append((rows, tuple(arrays)))
-            self._pending_rows += rows
-        return self._pending_rows
+            self.pending_rows += rows
+        return self.pending_rows
+
+    def append(self, arrays: Arrays, rows: int) -> None:
+        """``add`` for a caller that has checked the chunk: a tuple of arrays with ``rows`` > 0 rows."""
+        self._pending.append((rows, arrays))
+        self.pending_rows += rows
 
     def pop(self) -> Optional[List[np.ndarray]]:
         """The next full batch, or None if fewer than ``batch_size`` rows are pending."""
-        if self._pending_rows < self.batch_size:
+        if self.pending_rows < self.batch_size:
             return None
         if self.reorder and self._pending[0][0] < self.batch_size:
             for i, (rows, _) in enumerate(self._pending):
@@ -212,14 +216,14 @@ class Rebatcher:
 
     def flush(self) -> Optional[List[np.ndarray]]:
         """All pending rows (fewer than a batch after ``pop`` returned None) as one short batch."""
-        if not self._pending_rows:
+        if not self.pending_rows:
             return None
-        return self._cut(self._pending_rows, use_ring=False)
+        return self._cut(self.pending_rows, use_ring=False)
 
     def take_pieces(self, limit: Optional[int] = None) -> List[Tuple[int, Arrays]]:
         """Hand back up to ``limit`` pending rows (all by default), uncopied, as (rows, arrays) views
         in order; a piece that straddles the limit is split there."""
-        limit = self._pending_rows if limit is None else min(limit, self._pending_rows)
+        limit = self.pending_rows if limit is None else min(limit, self.pending_rows)
         pieces = []
         while limit > 0:
             rows, piece = self._pending[0]
@@ -234,13 +238,13 @@ class Rebatcher:
         """Put pieces from ``take_pieces`` back in front, in their order."""
         for rows, piece in reversed(pieces):
             self._pending.appendleft((rows, piece))
-            self._pending_rows += rows
+            self.pending_rows += rows
 
     def drop(self) -> int:
         """Discard all pending rows; returns how many were discarded."""
-        n = self._pending_rows
+        n = self.pending_rows
         self._pending.clear()
-        self._pending_rows = 0
+        self.pending_rows = 0
         return n
 
     def _cut(self, n: int, use_ring: bool) -> List[np.ndarray]:
@@ -271,7 +275,7 @@ class Rebatcher:
                 pieces.append(tuple(take_rows(a, ax, 0, need) for a, ax in zip(piece, axes)))
                 pending[0] = (rows - need, tuple(take_rows(a, ax, need, rows) for a, ax in zip(piece, axes)))
                 need = 0
-        self._pending_rows -= n
+        self.pending_rows -= n
         parts = list(zip(*pieces))  # per input
         shapes = [_batch_shape(p[0], ax, n) for p, ax in zip(parts, axes)]
         # Strings of different widths (or str and object) widen to hold them all, never truncate.
@@ -295,4 +299,4 @@ class Rebatcher:
             self._pending.popleft()
         else:
             self._pending[0] = (rows - k, tuple(take_rows(a, ax, k, rows) for a, ax in zip(piece, self._axes)))
-        self._pending_rows -= k
+        self.pending_rows -= k

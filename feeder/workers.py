@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError
@@ -98,14 +98,18 @@ def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.E
 class Coalescer:
     """One fetcher's coalescing state: the rows it holds, cut into whole batches as they come.
 
-    The fetcher thread calls ``add`` and ``put_pending`` holding ``lock``. Any other thread may
-    call ``flush_if_stale``: held rows must not wait on a ``fetch_fun`` call that blocks (the
-    enqueuer calls it whenever it finds the queue empty).
+    Held rows must not wait on a ``fetch_fun`` call that blocks, so another thread (the
+    enqueuer, whenever it finds the queue empty) may put them with ``flush_if_stale``. The
+    fetcher owns this state except while it is parked: before calling ``fetch_fun`` with rows
+    held, the fetcher parks it (appends a token to ``parked``) and reclaims it afterwards (pops
+    the token). A flusher that pops the token first owns the state until it sets ``returned``.
+    list.append and list.pop are atomic, so the fetcher's common path takes no lock.
     """
 
     def __init__(self, worker_id: int, source: ChunkQueue, axes: Sequence[int], batch_size: int,
                  put: Callable[[Chunk], bool]):
-        self.lock = threading.Lock()
+        self.parked: List[bool] = []
+        self.returned = threading.Event()
         self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING))
         self.held_since = 0.0  # when the oldest held row arrived (monotonic s); 0.0: holds none
         # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
@@ -116,6 +120,21 @@ class Coalescer:
         self._wid = worker_id
         self._source = source
         self._put = put
+
+    def park(self) -> bool:
+        """Before a fetch_fun call: let flushers take the held rows meanwhile. True if parked."""
+        if self.held_since:
+            self.parked.append(True)
+            return True
+        return False
+
+    def reclaim(self) -> None:
+        """After the call: take the state back, waiting for a flusher that is using it."""
+        try:
+            self.parked.pop()
+        except IndexError:  # a flusher took it: it hands it back within one non-blocking put each
+            self.returned.wait()
+            self.returned.clear()
 
     def _put_raw(self, arrays: tuple, rows: int, put: Callable[[Chunk], bool]) -> bool:
         if not put(Chunk(self._wid, arrays, rows)):
@@ -171,16 +190,17 @@ class Coalescer:
         return True
 
     def flush_if_stale(self, now: float) -> None:
-        """Put rows held longer than COALESCE_HOLD_S; never blocks (any thread)."""
+        """Put rows held longer than COALESCE_HOLD_S while the fetcher is parked; never blocks."""
         if not self.held_since or now - self.held_since < COALESCE_HOLD_S:
             return
-        if not self.lock.acquire(blocking=False):
-            return  # the fetcher is busy with them itself
         try:
-            if self.held_since and now - self.held_since >= COALESCE_HOLD_S:
-                self.put_pending(put=lambda chunk: self._source.put(chunk, 0.0) is True)
+            self.parked.pop()
+        except IndexError:
+            return  # not parked: the fetcher is working with its rows itself
+        try:
+            self.put_pending(put=lambda chunk: self._source.put(chunk, 0.0) is True)
         finally:
-            self.lock.release()
+            self.returned.set()
 
 
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
@@ -193,31 +213,35 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
         co = Coalescer(wid, source, validator.axes, batch_size(), lambda chunk: _put(source, chunk, state, stop))
         source.add_flusher(co.flush_if_stale)
 
-    def put_held() -> bool:
-        with co.lock:
-            return co.put_pending()
-
     monotonic = time.monotonic
     check = validator.check
+    now = monotonic()
     try:
         while not stop.is_set() and source.failure is None:
-            if co is not None and co.held_since and monotonic() - co.held_since > COALESCE_HOLD_S:
-                if not put_held():
+            if co is not None and co.held_since and now - co.held_since > COALESCE_HOLD_S:
+                if not co.put_pending():
                     return
             bs = batch_size()
             if state.state is not IN_FETCH:
                 state.state = IN_FETCH
             state.since = monotonic()  # with the state: what a FeedTimeout diagnosis reports
             state.calls += 1
+            parked = co is not None and co.held_since  # park (inline for speed: see Coalescer)
+            if parked:
+                co.parked.append(True)
             try:
                 raw = fetch_fun(wid, bs)
             except StopIteration:
-                if co is not None and not put_held():
+                if parked:
+                    co.reclaim()
+                if co is not None and not co.put_pending():
                     return
                 state.set("ended (StopIteration)")
                 source.worker_ended(wid)
                 return
             except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
+                if parked:
+                    co.reclaim()
                 if stop.is_set():
                     return
                 state.fetch_errors += 1
@@ -232,6 +256,11 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.set("failed")
                 source.fail(Failure(FetchError(msg), e))
                 return
+            if parked:  # reclaim (inline for speed)
+                try:
+                    co.parked.pop()
+                except IndexError:
+                    co.reclaim()
             now = monotonic()
             if raw is None:
                 state.none_chunks += 1
@@ -254,10 +283,18 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 if not _put(source, Chunk(wid, arrays, rows), state, stop):
                     return
                 continue
-            with co.lock:
-                if not co.add(arrays, rows, bs, now, now - state.since > COALESCE_SLOW_CALL_S):
-                    return
-            state.copied_bytes = co.rb.copied_bytes
+            rb = co.rb
+            slow = now - state.since > COALESCE_SLOW_CALL_S
+            if not slow and bs == rb.batch_size and rows * COALESCE_FRACTION <= bs and rb.pending_rows + rows < bs:
+                # the common case, inline: a tiny chunk that does not complete a batch is just held
+                if not rb.pending_rows:
+                    co.held_since = now
+                rb.append(arrays, rows)
+                co.unput += 1
+                continue
+            if not co.add(arrays, rows, bs, now, slow):
+                return
+            state.copied_bytes = rb.copied_bytes
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
         state.set("failed")
         source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
