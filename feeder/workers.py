@@ -6,12 +6,12 @@ The loop is a module-level function with explicit arguments (after torchdata's
 Coalescing: a fast ``fetch_fun`` returning tiny chunks would otherwise cost one queue
 round trip, one wake-up of the enqueuer and one copy call per chunk, all under the GIL.
 When calls are fast and chunks small (at most a quarter of a batch), each fetcher therefore
-cuts its own chunks into whole batches (one ``np.concatenate`` per input, into a buffer it
-reuses) and puts those; the enqueuer then
-hands them on without copying, so every byte is still copied once. Rows wait in a fetcher
-at most ``COALESCE_HOLD_S``, and not at all when a call is slow (the per-chunk overhead
-does not matter then). Off for ``ordered`` sources (their chunk sequence is the contract)
-and for ``dont_rebatch``.
+cuts its own chunks into whole batches (one copy per input, into a buffer it reuses) and
+puts those; the enqueuer then hands them on without copying, so every byte is still copied
+once. Rows wait in a fetcher about ``COALESCE_HOLD_S`` at most (when its next call blocks,
+the enqueuer puts them for it, see ``Coalescer``), and not at all when a call is slow (the
+per-chunk overhead does not matter then). Off for ``ordered`` sources (their chunk sequence
+is the contract) and for ``dont_rebatch``.
 
 Rows put uncoalesced (after a hold or a slow call) would shift the enqueuer's batch
 boundaries, and every later assembled batch would be cut apart and copied again. With
