@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
@@ -56,7 +56,6 @@ class PoolFetch:
 
 
 def mlp_model(in_dim: int, hidden: int, out_dim: int) -> bytes:
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -291,11 +290,8 @@ def real_workload(files: int, replicas: int) -> Optional[dict]:
 
 
 def run(args) -> dict:
-    try:
-        import torch  # noqa: F401
-        have_torch = True
-    except ImportError:
-        have_torch = False
+    have_torch = importlib.util.find_spec("torch") is not None
+    if not have_torch:
         print("torch is not installed: the DataLoader peer is skipped (pip install torch==2.13.0)", file=sys.stderr)
     results = {}
     for sc in scenarios():
@@ -369,8 +365,8 @@ def main() -> int:
     if real:
         print(f"\nreal workload, Magika's model over {real['files']:.0f} standard-library files "
               f"({real['model rows']:.0f} through the model), {real['replicas']:.0f} replica(s):")
-        print(f"| feeder (examples/classify_files.py) | magika identify_paths | model alone, precomputed features, "
-              f"1 thread | feeder speed / identify_paths | feeder speed / model alone | label mismatches |")
+        print("| feeder (examples/classify_files.py) | magika identify_paths | model alone, precomputed features, "
+              "1 thread | feeder speed / identify_paths | feeder speed / model alone | label mismatches |")
         print("|---|---|---|---|---|---|")
         print(f"| {real['feeder s']:.1f} s | {real['identify_paths s']:.1f} s | {real['model alone s']:.1f} s | "
               f"{real['feeder / identify_paths speed']:.2f}x | {real['feeder / model alone speed']:.2f}x | "

@@ -25,7 +25,7 @@ from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
 from .rebatcher import BufferRing, Rebatcher
 from .runtime import PreparedBatch, Runner
 from .source import CLOSED, EMPTY, END, ChunkQueue
-from .workers import SLICE_S, WorkerState, fetch_loop, stack_of
+from .workers import SLICE_S, WorkerState, fetch_loop
 
 log = logging.getLogger("feeder")
 

@@ -5,7 +5,7 @@ model sets its IR version and opset explicitly.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import feeder
-from utils import wait_until
 
 
 def zeros(worker_id, batch_size):

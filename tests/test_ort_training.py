@@ -23,7 +23,7 @@ from models import IR_VERSION, OPSET  # noqa: E402
 DIM = 6
 
 
-def logits_model() -> "onnx.ModelProto":  # noqa: F821
+def logits_model():
     """logits = x @ W + b for two classes, with W [DIM, 2] and b [2] trainable (CrossEntropyLoss:
     its SoftmaxCrossEntropyLoss is stable, where 1.19's BCEWithLogitsLoss turned NaN once logits grew)."""
     import onnx

@@ -53,8 +53,8 @@ def test_spanning_batch_is_copied_once_into_a_reused_buffer():
     rb = Rebatcher(4, [0, 0], ring)
     for i in range(20):
         rb.add(chunk(i * 3, 3))
-        while (b := rb.pop()) is not None:
-            del b  # the consumer lets go: the ring may reuse the buffer
+        while rb.pop() is not None:
+            pass  # the consumer lets go at once: the ring may reuse the buffer
     assert ring.allocations == 1  # each batch was dropped before the next: one buffer serves all
     assert rb.copied_bytes == rb.copied_batches * 4 * (8 + 12)
 
@@ -133,7 +133,6 @@ def test_rejects_misaligned_chunk_and_bad_batch_size():
 def test_property_every_row_once_in_order(sizes, batch_size, axis, ring, resize_at, new_size):
     rb = Rebatcher(batch_size, [0, axis], BufferRing(ring) if ring else None)
     start, out = 0, []
-    expected_size = [batch_size]
     for i, n in enumerate(sizes):
         if resize_at == i:
             rb.set_batch_size(new_size)
