@@ -314,11 +314,6 @@ class ChunkQueue:
         with self._lock:
             return sorted(self._workers - self._ended)
 
-    def has_ended(self) -> bool:
-        """All registered workers have ended (rows may still be queued)."""
-        with self._lock:
-            return self._all_ended()
-
     def qsize(self) -> int:
         """Chunks waiting in the queue, counted as fetch_fun returned them."""
         return self.queued_chunks

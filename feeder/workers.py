@@ -101,9 +101,10 @@ class Coalescer:
     Held rows must not wait on a ``fetch_fun`` call that blocks, so another thread (the
     enqueuer, whenever it finds the queue empty) may put them with ``flush_if_stale``. The
     fetcher owns this state except while it is parked: before calling ``fetch_fun`` with rows
-    held, the fetcher parks it (appends a token to ``parked``) and reclaims it afterwards (pops
-    the token). A flusher that pops the token first owns the state until it sets ``returned``.
-    list.append and list.pop are atomic, so the fetcher's common path takes no lock.
+    held, the fetcher parks it (appends a token to ``parked``, inline in ``fetch_loop``) and
+    reclaims it afterwards (pops the token, or ``reclaim``). A flusher that pops the token first
+    owns the state until it sets ``returned``. list.append and list.pop are atomic, so the
+    fetcher's common path takes no lock.
     """
 
     def __init__(self, worker_id: int, source: ChunkQueue, axes: Sequence[int], batch_size: int,
@@ -120,13 +121,6 @@ class Coalescer:
         self._wid = worker_id
         self._source = source
         self._put = put
-
-    def park(self) -> bool:
-        """Before a fetch_fun call: let flushers take the held rows meanwhile. True if parked."""
-        if self.held_since:
-            self.parked.append(True)
-            return True
-        return False
 
     def reclaim(self) -> None:
         """After the call: take the state back, waiting for a flusher that is using it."""
@@ -226,7 +220,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.state = IN_FETCH
             state.since = monotonic()  # with the state: what a FeedTimeout diagnosis reports
             state.calls += 1
-            parked = co is not None and co.held_since  # park (inline for speed: see Coalescer)
+            parked = co is not None and co.held_since  # park (see Coalescer)
             if parked:
                 co.parked.append(True)
             try:
