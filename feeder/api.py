@@ -119,12 +119,12 @@ def init_data_input_workers(
         return Feed(coordinator=coord, source=queue, session=session, input_names=names, specs=specs,
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
-                    last_batch=last_batch, log_interval=log_interval, cast=cast,
+                    last_batch=last_batch, log_interval=log_interval, validator=queue.validator,
                     max_fetch_errors=max_fetch_errors)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,
-                    ordered=ordered, max_bytes=max_buffered_bytes)
+                    ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast)
     return coord
 
 

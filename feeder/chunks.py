@@ -47,16 +47,18 @@ def can_cast(src: np.dtype, dst: np.dtype) -> bool:
 
 
 class ChunkValidator:
-    """Turns a raw chunk into a tuple of arrays for one registration, or raises.
+    """Turns a raw chunk into a tuple of arrays for one source, or raises.
 
-    Dimensions the spec leaves free (and, without a session, the dtypes) are learned from
-    the first valid chunk and shared by every worker of the source, so that all chunks of a
-    source can be concatenated; with ``dont_rebatch`` nothing is learned because each
-    chunk is its own batch.
+    One validator serves every registration (replica) of a source, because replicas rebatch
+    each other's chunks: what the source accepts is decided once. Each replica's declared
+    expectations (from its session) are merged in with :meth:`add_replica`; dimensions they
+    leave free (and, without a session, the dtypes) are learned from the source's first valid
+    chunk, so that all chunks of a source can be concatenated; with ``dont_rebatch`` nothing
+    is learned because each chunk is its own batch.
     """
 
     def __init__(self, source: str, input_names: Sequence[str], batch_axes: Sequence[int],
-                 specs: Sequence[InputSpec], *, cast: bool, dont_rebatch: bool, fixed_batch: bool = False):
+                 specs: Sequence[InputSpec], *, cast: bool, dont_rebatch: bool, fixed_batch: Optional[bool] = None):
         self.source = source
         self.names = tuple(input_names)
         self._index = {n: i for i, n in enumerate(self.names)}
@@ -65,7 +67,9 @@ class ChunkValidator:
         self._declared = list(specs)  # before learning: tells which expectations were learned
         self.cast = cast
         self.learn = not dont_rebatch
-        self.fixed_batch = fixed_batch  # dont_rebatch with a fixed batch dim: rows are checked too
+        # dont_rebatch with a fixed batch dim: rows are checked too
+        self.fixed_batch = (dont_rebatch and bool(fixed_batch_inputs(specs, batch_axes))) if fixed_batch is None \
+            else fixed_batch
         self._lock = threading.Lock()
         self._learned = False
         self._fast: Optional[List[tuple]] = None
@@ -88,6 +92,25 @@ class ChunkValidator:
         self._fast = fast
         if len(fast) == 1 and fast[0][1] == 0:
             self._single = (fast[0][0], fast[0][2], fast[0][3])
+
+    def add_replica(self, specs: Sequence[InputSpec], *, cast: bool) -> None:
+        """Merge another registration's declared input specs into what the source accepts.
+
+        Raises ValueError when they contradict what the source already accepts (declared by an
+        earlier registration or learned from its chunks): a replica would otherwise rebatch
+        chunks its own session cannot take."""
+        if cast != self.cast:
+            raise ValueError(f"source {self.source!r} is already fed with cast={self.cast}; a replica must use "
+                             f"the same, got cast={cast}")
+        with self._lock:
+            declared = [_merge(self.source, old, new) for old, new in zip(self._declared, specs)]
+            current = [_merge(self.source, old, new, _LEARNED if self._learned else "")
+                       for old, new in zip(self.specs, specs)]
+            self._declared, self.specs = declared, current
+            if not self.learn:
+                self.fixed_batch = bool(fixed_batch_inputs(declared, self.axes))
+            self._fast = self._single = None
+            self._build_fast()
 
     def check(self, chunk: Any, worker_id: int) -> Tuple[Tuple[np.ndarray, ...], int]:
         """Validate ``chunk``; returns (arrays in input order, row count) or raises."""
@@ -237,6 +260,36 @@ class ChunkValidator:
 
 
 _LEARNED = " like the source's first chunk"
+
+
+def _spec_text(spec: InputSpec) -> str:
+    kind = "strings" if spec.is_string else ("any dtype" if spec.dtype is None else f"dtype {spec.dtype}")
+    return kind + ("" if spec.shape is None else f", shape {_fmt(spec.shape)}")
+
+
+def _merge(source: str, old: InputSpec, new: InputSpec, origin: str = "") -> InputSpec:
+    """The spec accepting what both accept; ValueError if nothing can satisfy both."""
+    def conflict() -> ValueError:
+        return ValueError(f"source {source!r}, input {old.name!r}: the source already takes {_spec_text(old)}{origin}, "
+                          f"but this registration's session takes {_spec_text(new)}; replicas share one queue and "
+                          f"rebatch each other's chunks, so they must accept the same chunks")
+
+    if old.is_string or new.is_string:
+        if (old.dtype is not None and not old.is_string) or (new.dtype is not None and not new.is_string):
+            raise conflict()
+        dtype, is_string = None, True
+    else:
+        if old.dtype is not None and new.dtype is not None and old.dtype != new.dtype:
+            raise conflict()
+        dtype, is_string = (old.dtype if old.dtype is not None else new.dtype), False
+    if old.shape is None or new.shape is None:
+        shape = old.shape if new.shape is None else new.shape
+    else:
+        if len(old.shape) != len(new.shape) or any(a is not None and b is not None and a != b
+                                                   for a, b in zip(old.shape, new.shape)):
+            raise conflict()
+        shape = tuple(a if a is not None else b for a, b in zip(old.shape, new.shape))
+    return InputSpec(old.name, dtype, shape, is_string)
 
 
 def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:

@@ -16,6 +16,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .chunks import ChunkValidator, InputSpec
 from .errors import FeederError
 from .feed import Feed
 from .metrics import Monitor
@@ -71,7 +72,8 @@ class GlobalCoordinator:
 
     def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
                   input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
-                  max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int]) -> Feed:
+                  max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int],
+                  specs: Sequence[InputSpec], cast: bool) -> Feed:
         with self._lock:
             for other in self._feeds:
                 if other.input_source_name != name:
@@ -86,10 +88,17 @@ class GlobalCoordinator:
                                          f"must use the same, got {mine[key]}")
             q = self.get_queue(name, max_buffered_batches)
             q.configure(ordered=ordered, max_bytes=max_bytes)
+            # One validator per source: replicas rebatch each other's chunks, so what the source
+            # accepts is decided once, from every replica's session and the source's first chunk.
+            if q.validator is None:
+                q.validator = ChunkValidator(name, input_names, batch_axes, specs, cast=cast,
+                                             dont_rebatch=dont_rebatch)
+            else:
+                q.validator.add_replica(specs, cast=cast)
             ids = self._take_worker_ids(num_workers)
             feed = make_feed(q, ids)
             q.register_workers(ids)
-            q.add_holder(feed._held_rows)
+            q.add_holder(feed._held_rows, feed._ready.delivered, feed._starved)
             self._feeds.append(feed)
             return feed
 
@@ -172,6 +181,7 @@ class GlobalCoordinator:
         if not stragglers:  # only a quiescent source can be audited exactly
             for feed in feeds:
                 if feed._started:
+                    feed._discard_held()
                     feed._check_ledger("stop")
             for q in queues:
                 q.check_ledger("stop")

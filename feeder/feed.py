@@ -12,16 +12,16 @@ then binds the OrtValues the enqueuer already made and runs the session.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from .chunks import ChunkValidator, InputSpec, fixed_batch_inputs
+from .chunks import ChunkValidator, InputSpec
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
+from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .runtime import PreparedBatch, Runner
 from .source import CLOSED, EMPTY, END, ChunkQueue
@@ -39,6 +39,7 @@ SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is
 
 
 class _EndOfData:
+    rows = nbytes = 0  # it passes through the ready queue, which counts rows and bytes
     __repr__ = lambda self: "END_OF_DATA"  # noqa: E731
 
 
@@ -58,7 +59,7 @@ class Feed:
                  specs: Sequence[InputSpec], batch_axes: Sequence[int], fetch_fun: Callable[[int, int], Any],
                  batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
-                 log_interval: float, cast: bool, max_fetch_errors: int):
+                 log_interval: float, validator: ChunkValidator, max_fetch_errors: int):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -75,14 +76,12 @@ class Feed:
         self.last_batch = last_batch
         self.log_interval = float(log_interval)
         self.max_fetch_errors = max_fetch_errors
-        fixed_batch = dont_rebatch and bool(fixed_batch_inputs(specs, self._axes))
         self._specs = list(specs)
-        self._validate = ChunkValidator(source.name, self.input_names, self._axes, specs, cast=cast,
-                                        dont_rebatch=dont_rebatch, fixed_batch=fixed_batch)
+        self._validate = validator  # the source's, shared by its replicas
         self._runner = Runner(session, self.input_names) if session is not None else None
 
         self._stop = threading.Event()
-        self._ready: "queue.Queue[Any]" = queue.Queue(1)  # sized by the first batch, see ready_depth
+        self._ready = ReadyQueue(1)  # sized by the first batch, see ready_depth
         self._ring = BufferRing(READY_MAX + 2)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         self._workers = [WorkerState(w) for w in self.worker_ids]
@@ -95,10 +94,13 @@ class Feed:
         self._pending_batch_size: Optional[int] = None
         self._batch_size_lock = threading.Lock()
         self._inflight_rows = 0
+        self._waiting = 0  # consumers waiting with nothing ready (guarded by _waiting_lock)
+        self._waiting_lock = threading.Lock()
         self.counters = ConsumerCounters()
-        # Written only by the enqueuer thread, so plain ints suffice:
+        # Written only by the enqueuer thread (and by stop() once it has ended), so plain ints suffice:
         self._rows_taken = 0
         self._rows_dropped = 0
+        self._rows_discarded = 0
         self._batches_made = 0
         self._meter = RateMeter()
         self._next_report = 0.0
@@ -222,11 +224,11 @@ class Feed:
                 return False
 
     def _emit(self, arrays: List[np.ndarray], rows: int) -> bool:
+        self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
         batch = PreparedBatch(self.input_names, arrays, rows)
         if self._runner is not None:
             self._runner.prepare(batch)
         self._batches_made += 1
-        self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
         if not self._put_ready(batch):
             return False
         self._inflight_rows = 0
@@ -236,12 +238,10 @@ class Feed:
         if self._batches_made == 1 and isinstance(item, PreparedBatch):
             self._ready.maxsize = ready_depth(item.nbytes)  # read by put() under the queue's lock
             self._ring.size = self._ready.maxsize + 2
+        put = self._ready.put
         while not self._stop.is_set():
-            try:
-                self._ready.put(item, timeout=SLICE_S)
+            if put(item, SLICE_S):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _finish(self) -> None:
@@ -282,19 +282,41 @@ class Feed:
         elif not timeout >= 0:  # also NaN, which would wait forever
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
         start = time.monotonic()
-        deadline = start + timeout
-        warned = False
-        while True:
-            if self._stopped:
-                self._check_usable()
-            self._raise_failure()
-            if self._ended:
-                raise StopIteration
-            now = time.monotonic()
-            remaining = deadline - now
-            try:
-                item = self._ready.get(timeout=max(0.0, min(SLICE_S, remaining)))
-            except queue.Empty:
+        self._raise_failure()
+        if self._ended:
+            raise StopIteration
+        item = self._ready.get(0.0)  # the common case: a batch is ready
+        if item is None:
+            item = self._wait_ready(start, start + timeout)
+        if item is _END_OF_DATA:
+            self._ended = True
+            self._check_ledger("end of data")
+            if self.source.feed_reached_end():
+                self.source.check_ledger("end of data")
+            raise StopIteration
+        self.counters.took(item.rows, item.nbytes, time.monotonic() - start)
+        if self.source.max_bytes is not None:
+            self.source.notify_room()
+        return item
+
+    def _wait_ready(self, start: float, deadline: float) -> Any:
+        """Wait in short slices for the next item of the ready queue, or raise."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            # A producer held back by max_buffered_bytes may be what this consumer waits for.
+            self.source.notify_room()
+            warned = False
+            while True:
+                if self._stopped:
+                    self._check_usable()
+                self._raise_failure()
+                if self._ended:
+                    raise StopIteration
+                remaining = deadline - time.monotonic()
+                item = self._ready.get(max(0.0, min(SLICE_S, remaining)))
+                if item is not None:
+                    return item
                 now = time.monotonic()
                 if now >= deadline:
                     self.counters.waited(now - start)
@@ -303,16 +325,13 @@ class Feed:
                     warned = True
                     log.warning("source %r: consumer has waited %.0f s for a batch: data input is slow (%s)",
                                 self.input_source_name, now - start, self._status_line())
-                continue
-            if item is _END_OF_DATA:
-                self._ended = True
-                self._check_ledger("end of data")
-                if self.source.feed_reached_end():
-                    self.source.check_ledger("end of data")
-                raise StopIteration
-            self.counters.took(item.rows, item.nbytes, time.monotonic() - start)
-            self.source.delivered(item.rows, item.nbytes)
-            return item
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def _starved(self) -> bool:
+        """A consumer waits and this feed has nothing ready nor in the making (read lock-free)."""
+        return self._waiting > 0 and not len(self._ready) and not self._inflight_rows
 
     def next_batch(self, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
         """The next batch as ``{input name: array}``; waits at most ``timeout`` seconds
@@ -334,25 +353,32 @@ class Feed:
 
     # ---- introspection -------------------------------------------------------------------
     def _held_rows(self) -> int:
-        """Rows inside this feed, counted where they are (rebatcher and ready queue)."""
-        with self._ready.mutex:
-            ready = sum(b.rows for b in self._ready.queue if isinstance(b, PreparedBatch))
-        return self._rebatcher.pending_rows + self._inflight_rows + ready
+        """Rows inside this feed, counted where they are (rebatcher, enqueuer's hands, ready queue)."""
+        return self._rebatcher.pending_rows + self._inflight_rows + self._ready.queued_rows()
 
     def _check_ledger(self, when: str) -> bool:
-        """Rows this feed took from its source = rows delivered + dropped + still held. Never fails."""
-        delivered = self.counters.rows
-        held = self._held_rows()
-        ok = self._rows_taken == delivered + self._rows_dropped + held
+        """Rows this feed took from its source = rows delivered + dropped + discarded + still held.
+        Never fails."""
+        ready, delivered = self._ready.held_and_delivered()
+        held = self._rebatcher.pending_rows + self._inflight_rows + ready
+        ok = self._rows_taken == delivered + self._rows_dropped + self._rows_discarded + held
         if not ok:
             log.error("source %r: row ledger does not balance at %s: taken %d != delivered %d + dropped %d + "
-                      "held %d", self.input_source_name, when, self._rows_taken, delivered, self._rows_dropped, held)
+                      "discarded %d + held %d", self.input_source_name, when, self._rows_taken, delivered,
+                      self._rows_dropped, self._rows_discarded, held)
         return ok
+
+    def _discard_held(self) -> None:
+        """At stop, once the enqueuer has ended: the rows this feed still holds are discarded."""
+        rows = self._rebatcher.drop() + self._ready.clear() + self._inflight_rows
+        self._inflight_rows = 0
+        self._rows_discarded += rows
+        self.source.discarded(rows, fetched=False)
 
     def _status_line(self) -> str:
         live = self.source.live_workers()
         return (f"queue {self.source.qsize()}/{self.source.maxsize} chunks ({self.source.queued_rows} rows), "
-                f"{self._ready.qsize()} ready batches, {self._rebatcher.pending_rows} rows pending a batch, "
+                f"{len(self._ready)} ready batches, {self._rebatcher.pending_rows} rows pending a batch, "
                 f"live fetchers {live}")
 
     def _diagnose(self, waited: float) -> str:
@@ -381,7 +407,7 @@ class Feed:
             "batches_per_sec": self._meter.overall(c["batches"], now) if self._started else 0.0,
             "queue_size": float(src.qsize()),
             "queue_capacity": float(src.maxsize),
-            "ready_batches": float(self._ready.qsize()),
+            "ready_batches": float(len(self._ready)),
             "batch_size": float(self._batch_size),
             "batches": c["batches"],
             "rows": c["rows"],

@@ -56,7 +56,7 @@ def concatenate_into(dst: np.ndarray, pieces: Sequence[np.ndarray], axis: int) -
     go through numpy, which releases the GIL while it copies them.
     """
     if axis != 0 or dst.dtype.kind not in "biufc" or not dst.flags.c_contiguous:
-        np.concatenate(pieces, axis=axis, out=dst)
+        np.concatenate(pieces, axis=axis, out=dst, casting=_casting(dst))
         return
     mv = memoryview(dst).cast("B")
     pos = row = 0
@@ -66,9 +66,15 @@ def concatenate_into(dst: np.ndarray, pieces: Sequence[np.ndarray], axis: int) -
         if nbytes <= SMALL_COPY_BYTES and p.flags.c_contiguous and p.dtype == dst.dtype:
             mv[pos:pos + nbytes] = memoryview(p).cast("B")
         else:
-            np.copyto(dst[row:row + rows], p)
+            np.copyto(dst[row:row + rows], p, casting=_casting(dst))
         pos += nbytes
         row += rows
+
+
+def _casting(dst: np.ndarray) -> str:
+    """Copies into a batch buffer never convert values: the chunks were validated to the buffer's
+    dtype, so a mismatch is a bug to raise, not a cast to make (strings widen, see ``_cut``)."""
+    return "same_kind" if dst.dtype.kind in "USO" else "equiv"
 
 
 def _batch_shape(a: np.ndarray, axis: int, rows: int) -> Tuple[int, ...]:
@@ -287,7 +293,7 @@ class Rebatcher:
             out = [np.empty(sh, dtype=d) for sh, d in zip(shapes, dtypes)]
         for dst, part, ax in zip(out, parts, axes):
             if len(part) == 1:
-                np.copyto(dst, part[0])
+                np.copyto(dst, part[0], casting=_casting(dst))
             else:
                 concatenate_into(dst, part, ax)
         self.copied_bytes += sum(o.nbytes for o in out)

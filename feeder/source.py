@@ -6,7 +6,9 @@ knows the three facts every consumer of the source must agree on:
 * whether the source has ended (every registered worker raised ``StopIteration`` and
   no chunk is left),
 * whether it has failed (sticky: the first failure is re-raised by every later call),
-* the row ledger: rows fetched = rows delivered + rows buffered + rows dropped.
+* the row ledger: rows fetched = rows delivered + rows buffered + rows dropped + rows discarded.
+  Rows delivered are not counted here but derived from the feeds (rows that went into a feed's
+  ready queue minus rows still in it), so a batch a consumer pops is delivered by the pop itself.
 
 Two orders are supported. Unordered (default): one FIFO, whichever worker is first.
 Ordered: one sub-queue per worker, drained in a fixed round-robin of worker ids, so the
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,10 +67,14 @@ class Chunk:
 class ChunkQueue:
     """The named bounded chunk queue of one source (see module docstring).
 
-    ``maxsize`` bounds the queue in chunks (per worker in ordered mode, at least one
-    each); ``max_bytes`` optionally bounds the bytes held by the source, counted from the
-    moment a chunk is put until its rows are delivered to a consumer or dropped, so it
-    covers the queue, the feeds' leftovers and their ready batches.
+    ``maxsize`` bounds the queue in chunks (in ordered mode the last free slot is kept for
+    the worker whose turn it is, so the round-robin never waits on a full queue);
+    ``max_bytes`` optionally bounds the bytes held by the source, counted from the moment a
+    chunk is put until its rows are delivered to a consumer or dropped, so it covers the
+    queue, the feeds' leftovers and their ready batches. Over that bound a chunk is let in
+    only when a consumer waits on a feed that has nothing ready and nothing is queued for it
+    (leftover rows may be all it needs to finish a batch) or when the source holds nothing
+    (a chunk larger than the bound goes through alone).
     """
 
     def __init__(self, name: str, maxsize: int, *, ordered: bool = False, max_bytes: Optional[int] = None):
@@ -92,16 +98,20 @@ class ChunkQueue:
         self.fetch_errors = 0
         # Ledger, in rows; guarded by _lock.
         self.rows_fetched = 0
-        self.rows_delivered = 0
         self.rows_dropped = 0
-        self.rows_discarded = 0  # queued rows thrown away by close() (stop)
+        self.rows_discarded = 0  # rows thrown away by stop(): queued, held by feeds or by fetchers
         self.queued_rows = 0
         self.queued_chunks = 0
-        self.bytes_held = 0
         self.max_bytes_seen = 0
+        self._rows_delivered = 0  # delivered outside any registered feed (see delivered())
+        self._bytes_in = 0        # bytes put, ...
+        self._bytes_out = 0       # ... and bytes that left other than through a feed's ready queue
         self._holders: List[Callable[[], int]] = []  # each feed's "rows I hold" counter
+        self._deliveries: List[Callable[[], Tuple[int, int]]] = []  # each feed's (rows, bytes) delivered
+        self._starved: List[Callable[[], bool]] = []  # each feed's "a consumer waits, nothing is ready"
         self._flushers: List[Callable[[float], None]] = []  # coalescing fetchers' flush_if_stale
         self._feeds_ended = 0
+        self.validator: Optional[Any] = None  # the source's ChunkValidator, set by the first registration
 
     # ---- configuration -------------------------------------------------------------
     def configure(self, *, ordered: bool, max_bytes: Optional[int]) -> None:
@@ -144,26 +154,65 @@ class ChunkQueue:
             self.queued_chunks += chunk.slots
             self.queued_rows += chunk.rows
             self.rows_fetched += chunk.rows
-            self.bytes_held += chunk.nbytes
-            if self.bytes_held > self.max_bytes_seen:
-                self.max_bytes_seen = self.bytes_held
+            self._bytes_in += chunk.nbytes
+            if self.max_bytes is not None:
+                held = self._bytes_held()
+                if held > self.max_bytes_seen:
+                    self.max_bytes_seen = held
             return True
 
     def _has_room(self, chunk: Chunk) -> bool:
-        if self.max_bytes is not None and self.bytes_held + chunk.nbytes > self.max_bytes:
-            # Over the byte bound, but the bytes held include the feeds' leftover rows, which only
-            # move on when more rows come: refusing every chunk could deadlock. So one chunk is
-            # let in whenever the enqueuers have nothing queued to work with (in ordered mode:
-            # the chunk whose turn it is), and the bound holds to within that chunk.
-            if self.ordered:
-                turn = self._rotation[self._pos] if self._rotation else None
-                return chunk.worker_id == turn and not self._per_worker[chunk.worker_id]
-            return not self._items
+        if self.max_bytes is not None:
+            held = self._bytes_held()
+            if held and held + chunk.nbytes > self.max_bytes:
+                # Over the byte bound. The bytes held include the feeds' leftover rows, which only
+                # move on when more rows come, so refusing every chunk could deadlock a consumer
+                # that waits for them: for such a consumer (and only when nothing is queued that it
+                # could use; in ordered mode, for the chunk whose turn it is) one chunk is let in.
+                if not any(starved() for starved in self._starved):
+                    return False
+                if self.ordered:
+                    return chunk.worker_id == self._turn() and not self._per_worker[chunk.worker_id]
+                return not self._items
         if self.ordered:
-            cap = max(1, self.maxsize // max(1, len(self._workers)))
-            return len(self._per_worker[chunk.worker_id]) < cap
+            fits = self.queued_chunks + chunk.slots <= self.maxsize
+            turn = self._turn()
+            if chunk.worker_id == turn or self._per_worker.get(turn):
+                return fits or not self.queued_chunks
+            # Keep the last free slot for the worker whose turn it is: the queue never holds more
+            # than maxsize chunks, and the round-robin never waits on a queue full of later turns.
+            return self.queued_chunks + chunk.slots <= self.maxsize - 1
         # A chunk standing for more slots than the whole queue has still goes through alone.
         return not self._items or self.queued_chunks + chunk.slots <= self.maxsize
+
+    def _turn(self) -> Optional[int]:
+        """The worker whose chunk the ordered round-robin takes next (ended, drained workers skipped)."""
+        n = len(self._rotation)
+        for i in range(n):
+            w = self._rotation[(self._pos + i) % n]
+            if self._per_worker[w] or w not in self._ended:
+                return w
+        return None
+
+    def _bytes_held(self) -> int:
+        """Bytes put and not yet delivered, dropped or discarded (the feeds are read lock-free: a
+        batch being pushed into a ready queue may count as held a moment longer, never shorter)."""
+        out = self._bytes_out
+        for delivered in self._deliveries:
+            out += delivered()[1]
+        return max(0, self._bytes_in - out)
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes held by the source: queued chunks, the feeds' leftover rows and ready batches."""
+        with self._lock:
+            return self._bytes_held()
+
+    def notify_room(self) -> None:
+        """Wake producers waiting for room (a consumer started waiting, or bytes were released)."""
+        if self.max_bytes is not None:
+            with self._lock:
+                self._not_full.notify_all()
 
     def worker_ended(self, worker_id: int) -> None:
         """Record that a worker raised StopIteration (after its last put)."""
@@ -232,10 +281,24 @@ class ChunkQueue:
         return END if self._all_ended() else EMPTY
 
     # ---- ledger --------------------------------------------------------------------
-    def delivered(self, rows: int, nbytes: int) -> None:
-        """A consumer took a batch of ``rows`` rows (``nbytes`` bytes) out of the source."""
+    @property
+    def rows_delivered(self) -> int:
         with self._lock:
-            self.rows_delivered += rows
+            return self._delivered()[0]
+
+    def _delivered(self) -> Tuple[int, int]:
+        rows, nbytes = self._rows_delivered, 0
+        for delivered in self._deliveries:
+            r, b = delivered()
+            rows += r
+            nbytes += b
+        return rows, nbytes
+
+    def delivered(self, rows: int, nbytes: int) -> None:
+        """Rows that left the source to a consumer other than through a registered feed's ready
+        queue (the feeds' deliveries are read from the feeds themselves, see ``add_holder``)."""
+        with self._lock:
+            self._rows_delivered += rows
             self._release(nbytes)
 
     def dropped(self, rows: int, nbytes: int) -> None:
@@ -244,15 +307,30 @@ class ChunkQueue:
             self.rows_dropped += rows
             self._release(nbytes)
 
+    def discarded(self, rows: int, *, fetched: bool) -> None:
+        """Rows thrown away by stop() outside the queue: held by a feed (``fetched=False``: already
+        counted as fetched) or by a fetcher that never put them (``fetched=True``: counted now)."""
+        if rows:
+            with self._lock:
+                if fetched:
+                    self.rows_fetched += rows
+                self.rows_discarded += rows
+
     def _release(self, nbytes: int) -> None:
-        self.bytes_held = max(0, self.bytes_held - nbytes)
+        self._bytes_out += nbytes
         if self.max_bytes is not None:
             self._not_full.notify_all()
 
-    def add_holder(self, held_rows: Callable[[], int]) -> None:
-        """Register a feed's count of the rows it holds (leftover, in flight, ready)."""
+    def add_holder(self, held_rows: Callable[[], int], delivered: Optional[Callable[[], Tuple[int, int]]] = None,
+                   starved: Optional[Callable[[], bool]] = None) -> None:
+        """Register a feed: its count of the rows it holds (leftover, in flight, ready), of the rows
+        and bytes it delivered, and whether a consumer waits on it with nothing ready."""
         with self._lock:
             self._holders.append(held_rows)
+            if delivered is not None:
+                self._deliveries.append(delivered)
+            if starved is not None:
+                self._starved.append(starved)
 
     def add_flusher(self, flush_if_stale: Callable[[float], None]) -> None:
         with self._lock:
@@ -280,14 +358,17 @@ class ChunkQueue:
         """At a quiescent point (end of data, or stop after the threads ended): rows fetched must
         equal rows delivered + dropped + discarded + buffered, buffered counted where the rows are.
         A mismatch is a bug; it is logged as an error naming the source."""
-        held = sum(h() for h in self._holders)
         with self._lock:
+            # A consumer's pop moves a batch from a feed's held rows to its delivered rows in one
+            # step, so held + delivered of each feed is exact even while consumers run.
+            held = sum(h() for h in self._holders)
+            delivered = self._delivered()[0]
             buffered = self.queued_rows + held
-            accounted = self.rows_delivered + self.rows_dropped + self.rows_discarded + buffered
+            accounted = delivered + self.rows_dropped + self.rows_discarded + buffered
             ok = self.rows_fetched == accounted
             if not ok:
                 log.error("source %r: row ledger does not balance at %s: fetched %d != delivered %d + dropped %d "
-                          "+ discarded %d + buffered %d", self.name, when, self.rows_fetched, self.rows_delivered,
+                          "+ discarded %d + buffered %d", self.name, when, self.rows_fetched, delivered,
                           self.rows_dropped, self.rows_discarded, buffered)
             return ok
 
@@ -328,7 +409,7 @@ class ChunkQueue:
         with self._lock:
             return {
                 "rows_fetched": self.rows_fetched,
-                "rows_delivered": self.rows_delivered,
+                "rows_delivered": self._delivered()[0],
                 "rows_dropped": self.rows_dropped,
                 "rows_discarded": self.rows_discarded,
                 "rows_queued": self.queued_rows,

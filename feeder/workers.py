@@ -47,7 +47,7 @@ class WorkerState:
     """What one fetcher is doing and has done. Written only by its own thread (so its counters
     need no lock); read by timeouts' diagnoses, metrics and stop()'s straggler report."""
 
-    __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "none_chunks",
+    __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
                  "empty_chunks", "fetch_errors", "copied_bytes")
 
     def __init__(self, worker_id: int):
@@ -56,6 +56,7 @@ class WorkerState:
         self.state = "not started"
         self.since = time.monotonic()
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
+        self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
         self.copied_bytes = 0  # bytes this fetcher copied while coalescing
 
     def set(self, state: str) -> None:
@@ -86,12 +87,14 @@ def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.E
     """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile."""
     put = source.put(chunk, SLICE_S)
     if put is True:
+        state.rows_put += chunk.rows
         return True
     state.set("waiting for queue space")
     while put is not True:
         if put is CLOSED or stop.is_set() or source.failure is not None:
             return False
         put = source.put(chunk, SLICE_S)
+    state.rows_put += chunk.rows
     return True
 
 
@@ -107,7 +110,7 @@ class Coalescer:
     fetcher's common path takes no lock.
     """
 
-    def __init__(self, worker_id: int, source: ChunkQueue, axes: Sequence[int], batch_size: int,
+    def __init__(self, state: WorkerState, source: ChunkQueue, axes: Sequence[int], batch_size: int,
                  put: Callable[[Chunk], bool]):
         self.parked: List[bool] = []
         self.returned = threading.Event()
@@ -118,7 +121,8 @@ class Coalescer:
         self.realign = source.single_stream()
         self.offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
         self.unput = 0   # chunks added since the last put: the queue slots a batch stands for
-        self._wid = worker_id
+        self._wid = state.worker_id
+        self._state = state
         self._source = source
         self._put = put
 
@@ -192,9 +196,16 @@ class Coalescer:
         except IndexError:
             return  # not parked: the fetcher is working with its rows itself
         try:
-            self.put_pending(put=lambda chunk: self._source.put(chunk, 0.0) is True)
+            self.put_pending(put=self._put_now)
         finally:
             self.returned.set()
+
+    def _put_now(self, chunk: Chunk) -> bool:
+        """Put without waiting (a flusher must never block); counted as the fetcher's put."""
+        if self._source.put(chunk, 0.0) is not True:
+            return False
+        self._state.rows_put += chunk.rows
+        return True
 
 
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
@@ -204,7 +215,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     wid = state.worker_id
     co = None
     if coalesce:
-        co = Coalescer(wid, source, validator.axes, batch_size(), lambda chunk: _put(source, chunk, state, stop))
+        co = Coalescer(state, source, validator.axes, batch_size(), lambda chunk: _put(source, chunk, state, stop))
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
@@ -297,3 +308,6 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     finally:
         if not state.state.startswith(("ended", "failed")):
             state.set("stopped")
+        # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
+        # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
+        source.discarded(state.rows - state.rows_put, fetched=True)

@@ -88,3 +88,24 @@ def test_a_tight_byte_bound_never_deadlocks(ordered, replicas):
         assert sorted(np.concatenate(got).tolist()) == list(range(400))
     finally:
         assert coord.stop() is True
+
+
+@pytest.mark.parametrize("bound_batches", [1, 2, 4])
+def test_byte_bound_below_six_batches_is_hard_when_the_consumer_stops_taking(coord, bound_batches):
+    """Issue 9, defect 2: 64 KiB chunks (one batch each), 2 workers, a consumer that stops
+    taking: bounds of 64, 128 and 256 KiB all held 384 KiB."""
+    chunk_bytes = 64 * 1024
+    bound = bound_batches * chunk_bytes
+
+    def fetch(worker_id, batch_size):
+        return [np.ones((batch_size, 16 * 1024 // batch_size * 1), np.float32)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 16, num_worker_threads=2, max_buffered_bytes=bound,
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    feed.next_batch()  # then stop taking
+    wait_until(lambda: feed.metrics()["source_bytes_held"] >= bound, what="the source to fill to its bound")
+    threading.Event().wait(0.3)  # give producers time to overshoot, as they used to
+    assert feed.source.max_bytes_seen <= bound
+    assert feed.metrics()["source_bytes_held"] <= bound

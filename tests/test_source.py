@@ -58,17 +58,14 @@ def test_ordered_round_robin_skips_ended_workers():
     assert q.get(0.01) is END
 
 
-def test_byte_bound_blocks_until_rows_are_delivered():
+def test_byte_bound_blocks_until_rows_are_delivered_or_a_consumer_starves():
     q = ChunkQueue("s", 100, max_bytes=100)
     q.register_workers([0])
     assert q.put(chunk(0, 20), 0.1) is True  # 80 bytes
     assert q.put(chunk(0, 10), 0.02) is EMPTY  # would be 120 > 100, and the enqueuer has work queued
     q.get(0.01)
-    # taken is not delivered, so 80 bytes are still held; but with nothing queued the enqueuer may
-    # be waiting for rows to finish a batch, so one chunk is let in ...
-    assert q.put(chunk(0, 10), 0.02) is True
-    assert q.put(chunk(0, 10), 0.02) is EMPTY  # ... and only one
-    q.get(0.01)
+    # taken is not delivered, so 80 bytes are still held; with no feed registered nobody waits
+    assert q.put(chunk(0, 10), 0.02) is EMPTY
     q.delivered(20, 80)
     assert q.put(chunk(0, 10), 0.1) is True and q.put(chunk(0, 5), 0.1) is True  # 40 + 20 bytes fit
 
@@ -76,6 +73,7 @@ def test_byte_bound_blocks_until_rows_are_delivered():
 def test_byte_bound_in_ordered_mode_lets_in_the_chunk_whose_turn_it_is():
     q = ChunkQueue("s", 100, ordered=True, max_bytes=100)
     q.register_workers([0, 1])
+    q.add_holder(lambda: 0, starved=lambda: True)  # a consumer waits with nothing ready
     assert q.put(chunk(1, 25), 0.1) is True  # 100 bytes, worker 1 ran ahead
     assert q.put(chunk(1, 1), 0.02) is EMPTY
     assert q.put(chunk(0, 1), 0.1) is True  # worker 0's turn: over the bound, but let in
@@ -114,3 +112,46 @@ def test_ledger_check_catches_lost_rows(ledger_always_balances):
     held["rows"] = 2  # three rows vanished
     assert q.check_ledger("test") is False
     assert ledger_always_balances.bad and "'s'" in ledger_always_balances.bad[0]
+
+
+def test_ordered_queue_never_holds_more_chunks_than_its_bound():
+    """Issue 9, defect 6: each worker had at least one slot, so 4 workers held 4 chunks in a
+    queue of 1. Now only the worker whose turn it is may take the last free slot."""
+    q = ChunkQueue("s", 1, ordered=True)
+    q.register_workers([0, 1, 2, 3])
+    assert [q.put(chunk(w, 1), 0.01) for w in (3, 2, 1)] == [EMPTY, EMPTY, EMPTY]
+    assert q.put(chunk(0, 1), 0.01) is True and q.qsize() == 1
+    assert q.put(chunk(1, 1), 0.01) is EMPTY
+    assert q.get(0.01).worker_id == 0
+    assert q.put(chunk(2, 1), 0.01) is EMPTY  # worker 1's turn now
+    assert q.put(chunk(1, 1), 0.01) is True and q.qsize() == 1
+
+
+def test_ordered_queue_keeps_a_slot_for_the_worker_whose_turn_it_is():
+    q = ChunkQueue("s", 3, ordered=True)
+    q.register_workers([0, 1, 2])
+    assert q.put(chunk(1, 1), 0.01) is True and q.put(chunk(2, 1), 0.01) is True
+    assert q.put(chunk(2, 1), 0.01) is EMPTY  # the last slot is worker 0's
+    assert q.put(chunk(0, 1), 0.01) is True and q.qsize() == 3
+    assert [q.get(0.01).worker_id for _ in range(3)] == [0, 1, 2]
+    q.worker_ended(0)  # an ended worker's turn is skipped: the last slot is worker 1's
+    assert q.put(chunk(2, 1), 0.01) is True and q.put(chunk(2, 1), 0.01) is True
+    assert q.put(chunk(2, 1), 0.01) is EMPTY and q.put(chunk(1, 1), 0.01) is True
+    assert [q.get(0.01).worker_id for _ in range(2)] == [1, 2] and q.get(0.01) is EMPTY  # 1's turn again
+
+
+def test_byte_bound_counts_ready_batches_and_is_not_exceeded_when_nobody_waits():
+    """Issue 9, defect 2: the queue admitted a chunk whenever it was empty, however much the
+    feeds held in ready batches, so bounds of 64-256 KiB held 384 KiB. Over the bound, a chunk
+    is let in only for a consumer that waits with nothing ready (else leftover rows could
+    deadlock), or when the source holds nothing at all (a chunk larger than the bound)."""
+    q = ChunkQueue("s", 100, max_bytes=100)
+    q.register_workers([0])
+    waiting = {"starved": False}
+    q.add_holder(lambda: 0, starved=lambda: waiting["starved"])
+    assert q.put(chunk(0, 20), 0.1) is True  # 80 bytes
+    q.get(0.01)  # now in a feed, not yet delivered: still held
+    assert q.put(chunk(0, 10), 0.02) is EMPTY
+    waiting["starved"] = True  # a consumer waits and its feed has nothing ready
+    assert q.put(chunk(0, 10), 0.02) is True
+    assert q.put(chunk(0, 10), 0.02) is EMPTY  # the queue has something for it now

@@ -208,3 +208,103 @@ def test_cast_keeps_infinities_and_nans_that_were_there():
                        dont_rebatch=False)
     out = v([np.array([[np.inf], [-np.inf], [np.nan], [1.5]], np.float64)], 0)[0]
     assert np.isposinf(out[0, 0]) and np.isneginf(out[1, 0]) and np.isnan(out[2, 0]) and out[3, 0] == 1.5
+
+
+def _consume_until_error(feeds, seconds=5.0):
+    """Take batches from every feed in threads until each raises; returns (batches, errors)."""
+    import threading
+
+    got, errors, lock = [], [], threading.Lock()
+
+    def consume(feed):
+        try:
+            for _ in range(10_000):
+                b = feed.next_batch(timeout=seconds)
+                with lock:
+                    got.append(b)
+        except feeder.FeederError as e:
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(f,)) for f in feeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got, errors
+
+
+def test_replicas_share_one_validator_and_never_mix_dtypes(coord):
+    """Issue 9, defect 1: each replica learned its own dtype, so feed A rebatched int64 chunks that
+    only B had accepted: batches of both dtypes, 2**40 + 5 wrapped to 5, then a dead enqueuer."""
+    big = 2**40 + 5
+
+    def fetch_a(worker_id, batch_size):
+        return [np.full((3, 1), 7, np.int32)]
+
+    def fetch_b(worker_id, batch_size):
+        return [np.full((3, 1), big, np.int64)]
+
+    feeder.init_data_input_workers(None, ["k"], fetch_a, 4, num_worker_threads=1, input_source_name="s",
+                                   coordinator=coord, timeout=5)
+    feeder.init_data_input_workers(None, ["k"], fetch_b, 4, num_worker_threads=1, input_source_name="s",
+                                   coordinator=coord, timeout=5)
+    coord.start()
+    got, errors = _consume_until_error(coord.feeds("s"))
+    assert len({b["k"].dtype for b in got}) <= 1, "one source handed out batches of two dtypes"
+    values = {int(v) for b in got for v in b["k"].ravel()}
+    assert values <= {7} or values <= {big}, f"values from a chunk of the other dtype: {sorted(values)[:5]}"
+    assert errors and all(isinstance(e, feeder.InputValidationError) for e in errors)
+    assert "like the source's first chunk" in str(errors[0]) and "input 'k'" in str(errors[0])
+
+
+def test_a_sessionless_replica_is_held_to_the_other_replicas_session(coord):
+    """Issue 9, defect 1: with A on a float32 session and B sessionless sending float64, A's run()
+    raised ONNX Runtime's own 'Unexpected input data type'."""
+    sess = session(linear_model())
+
+    def fetch_a(worker_id, batch_size):
+        return [np.ones((3, 4), np.float32)]
+
+    def fetch_b(worker_id, batch_size):
+        return [np.ones((3, 4), np.float64)]
+
+    feeder.init_data_input_workers(sess, None, fetch_a, 4, num_worker_threads=1, coordinator=coord, timeout=5)
+    feeder.init_data_input_workers(None, ["x"], fetch_b, 4, num_worker_threads=1, coordinator=coord, timeout=5)
+    b_worker = coord.feeds("train")[1].worker_ids[0]
+    coord.start()
+    a, b = coord.feeds("train")
+    with pytest.raises(feeder.InputValidationError, match=f"worker {b_worker}, input 'x'.*float32.*float64"):
+        for _ in range(100):
+            a.run()
+    with pytest.raises(feeder.InputValidationError):
+        b.next_batch()
+
+
+def test_replicas_whose_sessions_disagree_are_refused_at_registration(coord):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["N", 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    double_sess = session(model.SerializeToString())
+    fetch = lambda w, b: [np.ones((3, 4), np.float32)]  # noqa: E731
+    feeder.init_data_input_workers(session(linear_model()), None, fetch, 4, coordinator=coord)
+    with pytest.raises(ValueError, match="input 'x'.*float32.*float64.*replicas"):
+        feeder.init_data_input_workers(double_sess, None, fetch, 4, coordinator=coord)
+    with pytest.raises(ValueError, match="cast"):
+        feeder.init_data_input_workers(None, ["x"], fetch, 4, coordinator=coord, cast=True)
+    _ = onnx
+
+
+def test_batch_buffers_never_cast_silently():
+    from feeder.rebatcher import Rebatcher
+
+    rb = Rebatcher(4, [0])
+    rb.add([np.ones((2, 1), np.int32)])
+    rb.add([np.full((2, 1), 2**40 + 5, np.int64)])
+    with pytest.raises(TypeError):
+        rb.pop()
