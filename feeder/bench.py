@@ -100,7 +100,8 @@ def load_fetch(spec: str) -> FetchFun:
             raise AttributeError(f"module {module.__name__!r} has no {fun_part!r}") from None
     if not callable(fun):
         raise TypeError(f"{spec} is not callable (got {type(fun).__name__})")
-    return fun
+    result: FetchFun = fun
+    return result
 
 
 # ---- chunks --------------------------------------------------------------------------------------

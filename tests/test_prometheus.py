@@ -119,3 +119,29 @@ def test_without_prometheus_client_creating_a_logger_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "pip install 'feeder[prometheus]'" in out.stdout
+
+
+def test_a_gone_feed_frees_its_replica_index_and_hand_calls_name_their_source():
+    import gc
+
+    from feeder.prometheus import _Collector
+
+    class FakeFeed:
+        def __init__(self, name):
+            self.input_source_name = name
+
+    collector = _Collector("feeder")
+    first, second = FakeFeed("train"), FakeFeed("train")
+    collector.update("train", first, {"batches": 1.0})
+    collector.update("train", second, {"batches": 2.0})
+    assert set(collector._latest) == {("train", "0"), ("train", "1")}
+    del first
+    gc.collect()
+    collector.update("train", FakeFeed("train"), {"batches": 3.0})  # a new registration continues series 0
+    assert collector._latest[("train", "0")] == {"batches": 3.0}
+
+    registry = prometheus_client.CollectorRegistry()
+    prom = feeder.PrometheusLogger(registry=registry, namespace="app")
+    prom.log({"rows": 5.0, "queue_size": 1.0}, source="manual")
+    assert registry.get_sample_value("app_rows_total", {"source": "manual", "replica": "0"}) == 5.0
+    assert registry.get_sample_value("app_queue_size", {"source": "manual", "replica": "0"}) == 1.0
