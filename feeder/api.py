@@ -1,16 +1,19 @@
 """The public entry point, ``init_data_input_workers``: argument checks, then registration."""
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .chunks import InputSpec
+from .chunks import InputSpec, fixed_batch_inputs
 from .coordinator import GlobalCoordinator, global_coordinator
 from .feed import Feed, check_batch_size
 from .runtime import input_specs, is_session
+
+log = logging.getLogger("feeder")
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -104,6 +107,13 @@ def init_data_input_workers(
     specs = _specs_for(names, session_specs)
     axes = _batch_axes(batch_columns, names, specs)
     check_batch_size(batch_size, specs, axes, dont_rebatch)
+    fixed = fixed_batch_inputs(specs, axes)
+    if fixed and not dont_rebatch and last_batch == "keep":
+        # The runtime cannot take a short batch on a fixed batch dimension, so a finite source's
+        # short last batch is dropped (logged and counted) rather than failing inside run().
+        log.info("source %r: input(s) %s have a fixed batch dimension, so a finite source's short last "
+                 "batch will be dropped (last_batch='drop')", input_source_name, fixed)
+        last_batch = "drop"
 
     def make_feed(queue, worker_ids):
         return Feed(coordinator=coord, source=queue, session=session, input_names=names, specs=specs,

@@ -28,6 +28,12 @@ class InputSpec:
     is_string: bool = False
 
 
+def fixed_batch_inputs(specs: Sequence[InputSpec], axes: Sequence[int]) -> List[str]:
+    """Names of the inputs whose batch axis has a fixed size in the session's signature."""
+    return [s.name for s, ax in zip(specs, axes)
+            if s.shape is not None and ax < len(s.shape) and s.shape[ax] is not None]
+
+
 def _describe(x: Any) -> str:
     if isinstance(x, np.ndarray):
         return f"array of dtype {x.dtype} and shape {x.shape}"
@@ -194,7 +200,20 @@ class ChunkValidator:
                 if lo < info.min or hi > info.max:
                     raise self._fail(worker_id, spec.name, f"values that fit {want}",
                                      f"{a.dtype} values in [{lo}, {hi}]")
-            return a.astype(want)
+            if not (want.kind == "f" and a.size and _may_overflow(a.dtype, want)):
+                return a.astype(want)
+            # A safe cast never turns a finite value into an infinite one (float64 1e39 -> float32).
+            with np.errstate(over="ignore"):  # overflow is checked and reported right here
+                out = a.astype(want)
+            overflow = np.isinf(out)
+            if a.dtype.kind in "fc":
+                overflow &= np.isfinite(a)
+            if overflow.any():
+                bad = a[overflow]
+                raise self._fail(worker_id, spec.name, f"finite values that fit {want} "
+                                 f"(at most {float(np.finfo(want).max):g} in magnitude)",
+                                 f"{a.dtype} values as large as {bad.flat[np.argmax(np.abs(bad))]!r}")
+            return out
         hint = "" if self.cast else " (cast=True converts safe casts)"
         raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
 
@@ -218,6 +237,16 @@ class ChunkValidator:
 
 
 _LEARNED = " like the source's first chunk"
+
+
+def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether some finite value of ``src`` exceeds the float type ``dst``'s range."""
+    top = float(np.finfo(dst).max)
+    if src.kind in "fc":
+        return float(np.finfo(src).max) > top
+    if src.kind in "iu":
+        return float(np.iinfo(src).max) > top
+    return False
 
 
 def _fmt(shape: Tuple[Optional[int], ...]) -> str:

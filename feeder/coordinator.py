@@ -119,11 +119,21 @@ class GlobalCoordinator:
 
                 def stop_at_exit() -> None:
                     coord = ref()
-                    if coord is not None:
+                    if coord is not None and coord._atexit is stop_at_exit:
                         coord.stop(timeout=min(coord.join_timeout, EXIT_JOIN_S))
 
                 self._atexit = stop_at_exit
                 atexit.register(stop_at_exit)
+                # atexit handlers run only after the interpreter has joined every non-daemon
+                # thread, so a consumer waiting in such a thread would hold the exit for its whole
+                # timeout. threading's own exit hooks run before that join (concurrent.futures
+                # uses them too); they cannot be unregistered, hence the check of _atexit above.
+                register_early = getattr(threading, "_register_atexit", None)
+                if register_early is not None:
+                    try:
+                        register_early(stop_at_exit)
+                    except RuntimeError:  # the interpreter is already shutting down
+                        pass
 
     def _due_reports(self, now: float) -> List[Callable[[], None]]:
         with self._lock:

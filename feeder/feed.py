@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from .chunks import ChunkValidator, InputSpec
+from .chunks import ChunkValidator, InputSpec, fixed_batch_inputs
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
 from .rebatcher import BufferRing, Rebatcher
@@ -75,8 +75,7 @@ class Feed:
         self.last_batch = last_batch
         self.log_interval = float(log_interval)
         self.max_fetch_errors = max_fetch_errors
-        fixed_batch = dont_rebatch and any(
-            s.shape is not None and len(s.shape) > ax and s.shape[ax] is not None for s, ax in zip(specs, self._axes))
+        fixed_batch = dont_rebatch and bool(fixed_batch_inputs(specs, self._axes))
         self._specs = list(specs)
         self._validate = ChunkValidator(source.name, self.input_names, self._axes, specs, cast=cast,
                                         dont_rebatch=dont_rebatch, fixed_batch=fixed_batch)

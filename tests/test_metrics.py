@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
@@ -39,3 +40,34 @@ def test_throughput_is_logged_every_interval_and_at_stop(coord, caplog):
     assert any("(final)" in line for line in lines)
     assert len(ext.records) > periodic >= 1  # the final report reached the external logger too
     assert all(isinstance(v, float) for v in ext.records[-1].values())
+
+
+class _ExitingLogger:
+    def __init__(self):
+        self.calls = 0
+
+    def log(self, metrics):
+        self.calls += 1
+        raise SystemExit(3)  # a logger calling sys.exit() must not kill the monitor thread
+
+
+def test_external_logger_raising_a_base_exception_keeps_the_monitor_reporting(coord, caplog):
+    """Issue 9, defect 9: only Exception was caught, so SystemExit killed the monitor thread and
+    no feed of the coordinator reported again, the final report at stop included."""
+    bad, good = _ExitingLogger(), ListLogger()
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.zeros((3, 2), np.float32)], 4,
+                                   external_loggers=[bad, good], log_interval=0.05, coordinator=coord)
+    with caplog.at_level(logging.ERROR, logger="feeder"):
+        coord.start()
+        coord.feed("train").next_batch(timeout=10)
+        assert good.got.wait(5)
+        first = len(good.records)
+        deadline = threading.Event()
+        while len(good.records) < first + 2 and not deadline.wait(0.01):
+            pass  # bounded below by the pytest timeout; reports come every 0.05 s
+        assert coord._monitor.thread.is_alive()
+        periodic = len(good.records)
+        coord.stop()
+    assert bad.calls >= 2
+    assert len(good.records) > periodic  # the final report still ran
+    assert any("SystemExit" in (r.exc_text or "") or "external logger" in r.getMessage() for r in caplog.records)

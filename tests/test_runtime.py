@@ -175,3 +175,28 @@ def test_run_handles_batches_of_changing_row_counts(coord):
     coord.reset_data_input("resized", 5)
     seen = {resized.run()[0].shape[0] for _ in range(10)}
     assert 5 in seen and seen <= {5, 8}
+
+
+def test_fixed_batch_dimension_drops_the_short_last_batch_instead_of_failing_in_the_runtime(coord, caplog):
+    """Issue 9, defect 4: with x: [4, 4] and 10 rows, the third run() raised ONNX Runtime's own
+    'Got invalid dimensions' error and the 2 rows were counted as delivered."""
+    import logging
+
+    sess = session(linear_model(batch=4))
+    rows = iter([np.full((10, 4), 1.0, np.float32)])
+
+    def fetch(worker_id, batch_size):
+        return [next(rows)]  # one chunk of 10 rows, then StopIteration
+
+    with caplog.at_level(logging.INFO, logger="feeder"):
+        feeder.init_data_input_workers(sess, None, fetch, 4, num_worker_threads=1, coordinator=coord, timeout=10)
+        assert any("fixed" in r.getMessage() and "drop" in r.getMessage() for r in caplog.records)
+        coord.start()
+        feed = coord.feed("train")
+        outs = [feed.run() for _ in range(2)]
+        with pytest.raises(StopIteration):
+            feed.run()
+    assert [o[0].shape for o in outs] == [(4, 3), (4, 3)]
+    m = feed.metrics()
+    assert m["source_rows_delivered"] == 8 and m["source_rows_dropped"] == 2
+    assert any("dropped the last 2 rows" in r.getMessage() for r in caplog.records)

@@ -101,3 +101,33 @@ def test_exit_while_batches_flow_through_onnxruntime():
     wait_for_line(proc, "ran")
     out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0 and "Fatal Python error" not in err and "Traceback" not in err, err
+
+
+def test_forgotten_stop_releases_a_consumer_in_a_non_daemon_thread_at_exit():
+    """Issue 9, defect 8: atexit handlers run only after non-daemon threads are joined, so a
+    consumer thread waiting in next_batch() kept the interpreter alive for its whole timeout."""
+    proc = spawn("""
+        def fetch(worker_id, batch_size):
+            time.sleep(3600)  # never delivers
+        coord = feeder.init_data_input_workers(None, ["x"], fetch, 8, num_worker_threads=1, timeout=30,
+                                               coordinator=feeder.GlobalCoordinator())
+        coord.start()
+        outcome = []
+        def consume():
+            try:
+                coord.feed("train").next_batch()
+            except feeder.FeedStopped:
+                outcome.append("stopped")
+                print("consumer released", flush=True)
+        threading.Thread(target=consume, name="consumer").start()  # not a daemon
+        time.sleep(0.2)
+        print("main returns", flush=True)
+    """)
+    wait_for_line(proc, "main returns")
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 3.0, "the interpreter waited for the consumer's timeout"
+    assert "consumer released" in out and proc.returncode == 0, err

@@ -182,3 +182,29 @@ def test_zero_dimensional_array_after_good_chunks(coord):
     with pytest.raises(feeder.InputValidationError, match="input 'x'.*rank"):
         for _ in range(5):
             coord.feed("train").next_batch()
+
+
+@pytest.mark.parametrize("src, dst, value", [
+    (np.int64, np.float16, 70000),      # above float16's max, 65504
+    (np.float64, np.float32, 1e39),     # above float32's max
+    (np.float64, np.float32, -1e39),
+    (np.float32, np.float16, 1e5),
+])
+def test_cast_never_turns_a_finite_value_infinite(src, dst, value):
+    """Issue 9, defect 3: integer targets were range-checked, float targets were not."""
+    from feeder.chunks import ChunkValidator, InputSpec
+
+    v = ChunkValidator("s", ["x"], [0], [InputSpec("x", np.dtype(dst), (None, 1))], cast=True, dont_rebatch=False)
+    ok = v([np.array([[1], [2]], src)], 0)[0]
+    assert ok.dtype == dst and ok.tolist() == [[1], [2]]
+    with pytest.raises(feeder.InputValidationError, match=f"input 'x'.*finite values that fit {np.dtype(dst)}"):
+        v([np.array([[1], [value]], src)], 0)
+
+
+def test_cast_keeps_infinities_and_nans_that_were_there():
+    from feeder.chunks import ChunkValidator, InputSpec
+
+    v = ChunkValidator("s", ["x"], [0], [InputSpec("x", np.dtype(np.float32), (None, 1))], cast=True,
+                       dont_rebatch=False)
+    out = v([np.array([[np.inf], [-np.inf], [np.nan], [1.5]], np.float64)], 0)[0]
+    assert np.isposinf(out[0, 0]) and np.isneginf(out[1, 0]) and np.isnan(out[2, 0]) and out[3, 0] == 1.5
