@@ -7,8 +7,8 @@ Run:  python examples/classify_files.py [DIR] [--workers N] [--batch-size N] [--
 The model is the one shipped inside the ``magika`` package (``models/standard_v3_3/model.onnx``,
 input ``bytes`` int32 [N, 2048], output ``target_label`` float32 [N, 214], softmax scores).
 Fetcher threads open the files and build the model's byte features; ``feed.run()`` scores
-them; each label is written back at the file's index; a progress line is drawn on stderr and
-a table of the most common labels is printed at the end.
+them; each label is written back at the file's index; a tqdm progress bar is drawn on stderr
+(when it is a terminal) and a table of the most common labels is printed at the end.
 
 What "the same labels as magika" takes (magika 1.0.x, ``magika/magika.py``; all constants come
 from the installed ``config.min.json`` and ``content_types_kb.min.json``, none is hard-coded):
@@ -276,6 +276,11 @@ class _Job:
             self._cursor = min(len(self.paths), start + self.files_per_chunk)
             return start, self._cursor
 
+    def rewind(self) -> None:
+        """Start over from the first path (for an endless fetch)."""
+        with self._lock:
+            self._cursor = 0
+
     def add_done(self, n: int, model_rows: int = 0) -> None:
         with self._lock:
             self.done += n
@@ -405,28 +410,47 @@ def list_files(root: str, skip_dirs: Sequence[str] = ()) -> List[str]:
     return out
 
 
-class ProgressLine:
-    """A plain-text progress bar redrawn in place on stderr with a carriage return."""
+class Progress:
+    """``progress(done, total)`` drawn as a tqdm bar on stderr; quiet when stderr is not a terminal."""
 
-    def __init__(self, stream=sys.stderr, width: int = 30, every_s: float = 0.1):
-        self.stream, self.width, self.every_s = stream, width, every_s
-        self.start = time.perf_counter()
-        self._last = 0.0
+    def __init__(self) -> None:
+        self.bar = None
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if done < total and now - self._last < self.every_s:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        filled = int(round(frac * self.width))
-        rate = done / max(now - self.start, 1e-9)
-        eta = (total - done) / rate if rate > 0 else float("inf")
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done:,}/{total:,} files "
-                          f"{frac:6.1%}  {rate:,.0f} files/s  eta {eta:4.0f} s ")
+        if self.bar is None:
+            from tqdm import tqdm  # the `examples` extra; imported here so that fetch() works without it
+
+            self.bar = tqdm(total=total, unit="file", unit_scale=True, disable=None, mininterval=0.1)
+        self.bar.update(done - self.bar.n)
         if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
+            self.bar.close()
+
+
+# ---- a module-level fetch function, for `feeder bench` ---------------------------------------
+_bench_job: Optional[_Job] = None
+_bench_lock = threading.Lock()
+
+
+def fetch(worker_id: int, batch_size: int):
+    """This example's fetch step alone, endlessly: ``{"bytes": features}`` of the next standard-library
+    files that need the model, cycling over them. For ``feeder bench``, with ``--model`` set to
+    ``model_path()`` (Magika's model as shipped, whose only input is ``bytes``)::
+
+        feeder bench examples/classify_files.py:fetch --model "$(python examples/classify_files.py --model-path)"
+    """
+    global _bench_job
+    with _bench_lock:
+        if _bench_job is None:
+            paths = list_files(os.path.dirname(os.__file__), ("site-packages", "dist-packages"))
+            _bench_job = _Job(paths, MagikaConfig(), files_per_chunk=max(1, min(32, batch_size)))
+        job = _bench_job
+    while True:
+        try:
+            chunk = job.fetch(worker_id, batch_size)
+        except StopIteration:
+            job.rewind()
+            continue
+        return {BYTES_INPUT: chunk[BYTES_INPUT]}
 
 
 def print_table(labels: Sequence[str], cfg: MagikaConfig, top: int) -> None:
@@ -466,7 +490,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--top", type=int, default=15, help="rows of the label table (default 15)")
     parser.add_argument("--compare-magika", action="store_true",
                         help="also run magika.Magika().identify_paths, time it and list differences")
+    parser.add_argument("--model-path", action="store_true", help="print the path of Magika's model and exit")
     args = parser.parse_args(argv)
+    if args.model_path:
+        print(model_path())
+        return
 
     if args.dir is None:
         root, skip = os.path.dirname(os.__file__), ("site-packages", "dist-packages")
@@ -483,7 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"  batch size {args.batch_size}, {replicas} replica(s) x {args.workers} fetcher thread(s)", file=sys.stderr)
     stats: dict = {}
     labels = classify(paths, workers=args.workers, batch_size=args.batch_size, replicas=replicas, config=cfg,
-                      progress=ProgressLine(), stats=stats)
+                      progress=Progress(), stats=stats)
     secs = stats["seconds"]
     print_table(labels, cfg, args.top)
     print(f"{stats['files']:,} files ({stats['model_rows']:,} scored by the model) in {secs:.2f} s: "

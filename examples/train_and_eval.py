@@ -6,7 +6,8 @@ The model is a one-hidden-layer MLP classifier (tanh, softmax cross-entropy) who
 gradients written by hand, is an ordinary ONNX graph: inputs are the batch (x, y one-hot) and
 the state (weights and SGD momenta), outputs the loss and the new state. feeder.StatefulSession
 keeps the state in OrtValues between steps (no numpy round trip); every 50 steps the current
-weights are loaded into the eval graph's adapter and the "test" source is scored.
+weights are loaded into the eval graph's adapter and the "test" source is scored. Progress is a
+tqdm bar (quiet when stderr is not a terminal); the evaluation lines are printed in any case.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import feeder
 
@@ -149,9 +152,9 @@ def main() -> None:
                                    input_source_name="test", coordinator=coord, log_interval=0.2)
     t0 = time.perf_counter()
     test_batches = 0
-    with coord:
+    with coord, logging_redirect_tqdm():  # feeder's log lines are printed above the bar, not through it
         train_feed, test_feed = coord.feed("train"), coord.feed("test")
-        for step in range(1, args.steps + 1):
+        for step in tqdm(range(1, args.steps + 1), unit="step", disable=None):
             (loss,) = train_feed.run(["loss"])
             if step % 50 == 0:
                 evaluate.load_state({k: v for k, v in train.state().items() if not k.startswith("v")})
@@ -161,8 +164,7 @@ def main() -> None:
                     start = (test_batches * 500) % len(x_test)
                     correct += int(np.sum(probs.argmax(1) == y_test[start:start + 500].argmax(1)))
                     test_batches += 1
-                print(f"step {step:4d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.3f}",
-                      flush=True)
+                tqdm.write(f"step {step:4d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.3f}")
     elapsed = time.perf_counter() - t0
     print(f"{args.steps} train steps of {args.batch_size} rows in {elapsed:.2f} s: {args.steps / elapsed:,.0f} steps/s")
 

@@ -24,12 +24,13 @@ from .api import init_data_input_workers
 from .coordinator import GlobalCoordinator, global_coordinator
 from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError
 from .feed import Feed
+from .prometheus import PrometheusLogger  # imports prometheus_client only when one is created
 from .runtime import OrtTrainingModule, StatefulSession
 from .source import ChunkQueue
 
 __all__ = [
     "init_data_input_workers", "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
-    "StatefulSession", "OrtTrainingModule",
+    "StatefulSession", "OrtTrainingModule", "PrometheusLogger",
     "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError",
 ]
 __version__ = "0.1.0"

@@ -443,7 +443,7 @@ class Feed:
                  "%d ready, %d live fetchers", self.input_source_name, " (final)" if final else "", rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
                  m["live_workers"])
-        send_to_external_loggers(self.external_loggers, m, self.input_source_name)
+        send_to_external_loggers(self.external_loggers, m, self.input_source_name, feed=self)
 
     def _due_report(self, now: float) -> bool:
         if self._started and not self._stopped and now >= self._next_report:

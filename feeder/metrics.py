@@ -67,11 +67,19 @@ class RateMeter:
         return rows / dt if dt > 0 else 0.0
 
 
-def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], source: str) -> None:
-    """Hand ``metrics`` to each logger; a failing logger is logged (with traceback) and kept."""
+def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], source: str,
+                             feed: Any = None) -> None:
+    """Hand ``metrics`` to each logger; a failing logger is logged (with traceback) and kept.
+
+    A logger whose ``log_with_feed`` attribute is True is called ``log(metrics, feed=feed)``, so
+    that it can tell sources and replicas apart (``feed.input_source_name``); others ``log(metrics)``.
+    """
     for logger in loggers:
         try:
-            logger.log(dict(metrics))
+            if getattr(logger, "log_with_feed", False) is True:
+                logger.log(dict(metrics), feed=feed)
+            else:
+                logger.log(dict(metrics))
         except BaseException:  # noqa: B902 - a logger calling sys.exit() must not end the reports either
             log.exception("external logger %r failed for source %r; it stays registered", logger, source)
 

@@ -198,3 +198,12 @@ def test_index_passthrough_leaves_the_scores_unchanged():
 
 def test_empty_list():
     assert cf.classify([]) == []
+
+
+def test_progress_bar_is_quiet_when_stderr_is_not_a_terminal(capsys):
+    pytest.importorskip("tqdm")
+    progress = cf.Progress()
+    for done in (0, 5, 10):
+        progress(done, 10)
+    assert progress.bar is not None and progress.bar.disable
+    assert capsys.readouterr().err == ""

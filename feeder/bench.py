@@ -1,0 +1,364 @@
+"""``feeder bench``: measure a fetch function and a model, and say which configuration is fastest.
+
+Usage::
+
+    feeder bench MODULE:FETCH_FUN [--model PATH] [--batch-size N] [--seconds S] [--json]
+    python -m feeder bench examples/quickstart.py:fetch --seconds 2
+
+``MODULE`` is a module name importable from the current directory (``mypkg.data``) or a
+path to a ``.py`` file. ``FETCH_FUN`` is called as ``fetch_fun(worker_id, batch_size)`` like
+in any registration; it should go on returning chunks for the whole run (each configuration
+calls it afresh; one that raises StopIteration ends that configuration early).
+
+Each configuration runs for about ``S`` seconds, timed from its first batch (thread start-up
+and warm-up excluded):
+
+- ``fetch alone``: the fetch function called in a loop in one thread;
+- ``feeder, N threads`` (N = 1 .. min(4, CPU count)) and, where this feeder has worker
+  processes, ``feeder, N processes``: batches taken with ``next_batch()``, no model;
+- ``model alone``: an ONNX Runtime session (``intra_op_num_threads=1``) run on batches
+  already in memory;
+- ``feeder + model, N threads|processes``: ``feed.run()`` end to end.
+
+Input names come from the model when there is one, else from the chunk (dict keys, or
+``input0, input1, ...`` for a list). The table has one line per configuration (rows/s and
+the ratio to the best line), then the best configuration; ``--json`` prints the same as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+FetchFun = Callable[[int, int], Any]
+MAX_WORKERS = 4
+
+
+@dataclass
+class Result:
+    """One configuration's measurement; ``error`` is set instead of a rate when it failed."""
+
+    name: str
+    kind: str                      # "fetch", "feeder", "model" or "end_to_end"
+    workers: int = 0               # fetcher threads or processes (0 when not a feeder line)
+    processes: bool = False
+    rows: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 and self.error is None else 0.0
+
+
+# ---- loading the fetch function ----------------------------------------------------------------
+def load_fetch(spec: str) -> FetchFun:
+    """``MODULE:FUN`` -> the function. MODULE is a dotted module name (imported with the current
+    directory on ``sys.path``) or a path to a ``.py`` file (imported under its file name, with its
+    folder on ``sys.path`` so that worker processes can import it too)."""
+    module_part, sep, fun_part = spec.rpartition(":")
+    if not sep or not module_part or not fun_part:
+        raise ValueError(f"expected MODULE:FETCH_FUN, got {spec!r}")
+    if module_part.endswith(".py") or os.sep in module_part or os.path.isfile(module_part):
+        path = os.path.abspath(module_part)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such file: {module_part}")
+        folder, name = os.path.split(path)
+        name = os.path.splitext(name)[0]
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        loaded = sys.modules.get(name)
+        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+            module = loaded
+        elif loaded is None:
+            module = importlib.import_module(name)
+        else:  # a different module already has that name: load the file under a private name
+            file_spec = importlib.util.spec_from_file_location(f"_feeder_bench_{name}", path)
+            assert file_spec is not None and file_spec.loader is not None
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[file_spec.name] = module
+            file_spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_part)
+    fun: Any = module
+    for attr in fun_part.split("."):
+        try:
+            fun = getattr(fun, attr)
+        except AttributeError:
+            raise AttributeError(f"module {module.__name__!r} has no {fun_part!r}") from None
+    if not callable(fun):
+        raise TypeError(f"{spec} is not callable (got {type(fun).__name__})")
+    result: FetchFun = fun
+    return result
+
+
+# ---- chunks --------------------------------------------------------------------------------------
+def chunk_arrays(chunk: Any, names: Optional[Sequence[str]] = None) -> Optional[Dict[str, np.ndarray]]:
+    """A chunk as {name: array}: dicts as they are, lists named ``names`` (default ``input0..``)."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, dict):
+        return {str(k): np.asarray(v) for k, v in chunk.items()}
+    arrays = list(chunk)
+    names = list(names) if names is not None else [f"input{i}" for i in range(len(arrays))]
+    if len(names) != len(arrays):
+        raise ValueError(f"chunk has {len(arrays)} arrays, expected {len(names)} ({names})")
+    return {n: np.asarray(a) for n, a in zip(names, arrays)}
+
+
+def chunk_rows(chunk: Any) -> int:
+    """Rows of a chunk along axis 0 (0 for None or an empty chunk)."""
+    if chunk is None:
+        return 0
+    first = next(iter(chunk.values()), None) if isinstance(chunk, dict) else (chunk[0] if len(chunk) else None)
+    return 0 if first is None or np.ndim(first) == 0 else int(np.shape(first)[0])
+
+
+def input_names_from_chunk(chunk: Any) -> List[str]:
+    if isinstance(chunk, dict):
+        return [str(k) for k in chunk]
+    return [f"input{i}" for i in range(len(chunk))]
+
+
+def make_batches(chunks: Sequence[Dict[str, np.ndarray]], batch_size: int, limit: int = 4) -> List[Dict[str, Any]]:
+    """Up to ``limit`` batches of ``batch_size`` rows cut from ``chunks`` (a shorter one if that is all)."""
+    if not chunks:
+        return []
+    whole = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+    n = len(next(iter(whole.values())))
+    starts = range(0, max(1, n - batch_size + 1), batch_size)
+    return [{k: np.ascontiguousarray(v[s:s + batch_size]) for k, v in whole.items()} for s in list(starts)[:limit]]
+
+
+# ---- measurements ------------------------------------------------------------------------------
+def measure_fetch(fetch: FetchFun, batch_size: int, seconds: float, keep_rows: int = 0
+                  ) -> Tuple[Result, List[Any]]:
+    """Call ``fetch(0, batch_size)`` in this thread for ``seconds`` (after a first call).
+    Returns the result and the first chunks, up to ``keep_rows`` rows (for the model)."""
+    res = Result("fetch alone, 1 thread", "fetch", workers=1)
+    kept: List[Any] = []
+    kept_rows = 0
+    start: Optional[float] = None
+    try:
+        first = fetch(0, batch_size)  # warm-up, not timed
+        if first is not None:
+            kept.append(first)
+            kept_rows += chunk_rows(first)
+        start = time.perf_counter()
+        deadline = start + seconds
+        while time.perf_counter() < deadline:
+            chunk = fetch(0, batch_size)
+            n = chunk_rows(chunk)
+            res.rows += n
+            if n and kept_rows < keep_rows:
+                kept.append(chunk)
+                kept_rows += n
+    except StopIteration:
+        res.notes.append("the fetch function raised StopIteration")
+    except Exception as e:
+        res.error = _describe(e)
+    res.seconds = time.perf_counter() - start if start is not None else 0.0
+    return res, kept
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def supports_processes() -> bool:
+    """Whether the installed feeder has worker processes (``num_worker_processes``)."""
+    import feeder
+
+    return "num_worker_processes" in inspect.signature(feeder.init_data_input_workers).parameters
+
+
+def measure_feeder(fetch: FetchFun, input_names: Sequence[str], batch_size: int, seconds: float, workers: int, *,
+                   processes: bool = False, session: Any = None, timeout: float = 60.0) -> Result:
+    """Run one feed for ``seconds`` after its first batch: ``next_batch()`` without a session,
+    ``run()`` with one. Rows are counted from the feed's own metrics."""
+    import feeder
+
+    unit = ("process" if processes else "thread") + ("" if workers == 1 else ("es" if processes else "s"))
+    label = f"{'feeder + model' if session is not None else 'feeder'}, {workers} {unit}"
+    res = Result(label, "end_to_end" if session is not None else "feeder", workers=workers, processes=processes)
+    coord = feeder.GlobalCoordinator()
+    counts: Dict[str, Any] = {"num_worker_processes": workers} if processes else {"num_worker_threads": workers}
+    start: Optional[float] = None
+    rows0 = 0.0
+    try:
+        feeder.init_data_input_workers(session, list(input_names), fetch, batch_size, input_source_name="bench",
+                                       timeout=timeout, log_interval=3600.0, coordinator=coord, **counts)
+        coord.start()
+        feed = coord.feed("bench")
+        take = feed.run if session is not None else feed.next_batch
+        try:
+            take()  # warm-up: threads started, first chunks fetched; not timed
+            rows0 = feed.metrics()["rows"]
+            start = time.perf_counter()
+            deadline = start + seconds
+            while time.perf_counter() < deadline:
+                take()
+        except StopIteration:
+            res.notes.append("the source ended")
+        if start is not None:
+            res.seconds = time.perf_counter() - start
+            res.rows = int(feed.metrics()["rows"] - rows0)
+    except Exception as e:
+        res.error = _describe(e)
+    finally:
+        if not coord.stop():
+            res.notes.append("a fetcher did not stop in time")
+    return res
+
+
+def measure_model(session: Any, batches: Sequence[Dict[str, Any]], seconds: float) -> Result:
+    """``session.run`` on ``batches`` (already in memory), cycled for ``seconds`` after one warm-up run."""
+    res = Result("model alone, 1 intra-op thread", "model")
+    if not batches:
+        res.error = "no batch to run (the fetch function returned no rows)"
+        return res
+    try:
+        session.run(None, batches[0])
+        start = time.perf_counter()
+        deadline = start + seconds
+        i = 0
+        while time.perf_counter() < deadline:
+            b = batches[i % len(batches)]
+            session.run(None, b)
+            res.rows += chunk_rows(b)
+            i += 1
+        res.seconds = time.perf_counter() - start
+    except Exception as e:
+        res.error = _describe(e)
+    return res
+
+
+def make_session(model: str) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1  # leave the other cores to the fetchers (see README)
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def worker_counts(cpus: Optional[int] = None) -> List[int]:
+    k = min(MAX_WORKERS, cpus if cpus else (os.cpu_count() or MAX_WORKERS))
+    return list(range(1, max(1, k) + 1))
+
+
+def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int = 64, seconds: float = 3.0,
+              workers: Optional[Sequence[int]] = None, processes: Optional[bool] = None,
+              progress: Optional[Callable[[str], None]] = None) -> List[Result]:
+    """Every configuration in turn (see the module docstring); returns one Result per line."""
+    counts = list(workers) if workers is not None else worker_counts()
+    processes = supports_processes() if processes is None else processes
+    say = progress or (lambda msg: None)
+    session = make_session(model) if model else None
+    model_names = [i.name for i in session.get_inputs()] if session is not None else None
+
+    say("fetch alone")
+    fetch_res, kept = measure_fetch(fetch, batch_size, seconds, keep_rows=4 * batch_size)
+    results = [fetch_res]
+    if not kept:
+        fetch_res.error = fetch_res.error or "the fetch function returned no chunk"
+        return results
+    names = model_names or input_names_from_chunk(kept[0])
+    configs = [(n, False) for n in counts] + ([(n, True) for n in counts] if processes else [])
+    for n, procs in configs:
+        say(f"feeder, {n} {'processes' if procs else 'threads'}")
+        results.append(measure_feeder(fetch, names, batch_size, seconds, n, processes=procs))
+    if session is not None:
+        say("model alone")
+        try:
+            chunks = [chunk_arrays(c, names) for c in kept]
+            batches = make_batches([c for c in chunks if c], batch_size)
+            batches = [{k: b[k] for k in names} for b in batches]
+        except Exception as e:
+            results.append(Result("model alone, 1 intra-op thread", "model", error=_describe(e)))
+        else:
+            results.append(measure_model(session, batches, seconds))
+        for n, procs in configs:
+            say(f"feeder + model, {n} {'processes' if procs else 'threads'}")
+            results.append(measure_feeder(fetch, names, batch_size, seconds, n, processes=procs, session=session))
+    return results
+
+
+def best(results: Sequence[Result]) -> Optional[Result]:
+    """The configuration to use: the fastest end-to-end line when a model was measured, else the
+    fastest feeder line (None if none succeeded)."""
+    for kind in ("end_to_end", "feeder"):
+        ok = [r for r in results if r.kind == kind and r.error is None and r.rows > 0]
+        if ok:
+            return max(ok, key=lambda r: r.rows_per_s)
+    return None
+
+
+# ---- output --------------------------------------------------------------------------------------
+HEADER = f"{'configuration':<36} {'rows/s':>14} {'vs best':>8}"
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """One line per configuration: name (36 wide), rows/s (integer with commas), ratio to the
+    fastest line (``0.50x``) or the error; then ``best: <name> (<rows/s> rows/s)``."""
+    top = max((r.rows_per_s for r in results), default=0.0)
+    lines = [HEADER]
+    for r in results:
+        if r.error is not None:
+            lines.append(f"{r.name:<36} {'-':>14} {'-':>8}  error: {r.error}")
+            continue
+        ratio = r.rows_per_s / top if top > 0 else 0.0
+        note = f"  ({'; '.join(r.notes)})" if r.notes else ""
+        lines.append(f"{r.name:<36} {r.rows_per_s:>14,.0f} {ratio:>7.2f}x{note}")
+    b = best(results)
+    lines.append(f"best: {b.name} ({b.rows_per_s:,.0f} rows/s)" if b else "best: none (every configuration failed)")
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[Result]) -> str:
+    b = best(results)
+    rows = [dict(asdict(r), rows_per_s=r.rows_per_s) for r in results]
+    return json.dumps({"results": rows, "best": b.name if b else None}, indent=2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="feeder bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("fetch", metavar="MODULE:FETCH_FUN", help="module name or .py file, and the fetch function")
+    parser.add_argument("--model", default=None, help="an ONNX model to run end to end")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per configuration (default 3)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help=f"measure 1..N fetchers (default: CPU count, at most {MAX_WORKERS})")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if not args.seconds > 0:
+        parser.error("--seconds must be > 0")
+    if args.workers is not None and args.workers < 1:
+        parser.error("--workers must be >= 1")
+    try:
+        fetch = load_fetch(args.fetch)
+    except Exception as e:
+        parser.error(f"cannot load {args.fetch}: {type(e).__name__}: {e}")
+    counts = worker_counts(args.workers) if args.workers else None
+    quiet = args.json or not sys.stderr.isatty()
+    results = run_bench(fetch, model=args.model, batch_size=args.batch_size, seconds=args.seconds, workers=counts,
+                        progress=None if quiet else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr)))
+    print(to_json(results) if args.json else format_table(results))
+    if not supports_processes():
+        print("(worker processes: not available in this feeder version)", file=sys.stderr)
+    return 0 if best(results) is not None else 1

@@ -1,0 +1,129 @@
+"""feeder bench: loading MODULE:FETCH_FUN, the measurements, and the command's parseable output."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from feeder import bench
+from models import linear_model
+
+FETCH_MODULE = textwrap.dedent("""
+    import numpy as np
+
+    def fetch(worker_id, batch_size):
+        return {"x": np.ones((7, 4), np.float32)}
+
+    def fetch_list(worker_id, batch_size):
+        return [np.ones((5, 4), np.float32), np.arange(5)]
+""")
+LINE = re.compile(r"^(?P<name>.+?)\s{2,}(?P<rate>[\d,]+)\s+(?P<ratio>\d+\.\d\d)x(?:\s+\((?P<note>.*)\))?$")
+
+
+def parse_table(text: str):
+    """{configuration: (rows/s, ratio)} and the best line's configuration name."""
+    lines = text.strip().splitlines()
+    assert lines[0].split() == ["configuration", "rows/s", "vs", "best"]
+    rows = {}
+    for line in lines[1:-1]:
+        m = LINE.match(line)
+        assert m, f"unparseable line: {line!r}"
+        rows[m["name"].strip()] = (float(m["rate"].replace(",", "")), float(m["ratio"]))
+    best = re.fullmatch(r"best: (.+) \(([\d,]+) rows/s\)", lines[-1])
+    assert best, lines[-1]
+    return rows, best[1]
+
+
+@pytest.fixture
+def module_dir(tmp_path, monkeypatch):
+    (tmp_path / "bench_fetch_mod.py").write_text(FETCH_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("bench_fetch_mod", None)
+
+
+def test_load_fetch_by_module_name_and_by_file(module_dir):
+    by_name = bench.load_fetch("bench_fetch_mod:fetch")
+    assert by_name(0, 4)["x"].shape == (7, 4)
+    by_file = bench.load_fetch(str(module_dir / "bench_fetch_mod.py") + ":fetch_list")
+    assert [a.shape for a in by_file(0, 4)] == [(5, 4), (5,)]
+    with pytest.raises(ValueError, match="MODULE:FETCH_FUN"):
+        bench.load_fetch("no_colon")
+    with pytest.raises(AttributeError, match="nope"):
+        bench.load_fetch("bench_fetch_mod:nope")
+
+
+def test_input_names_come_from_the_chunk():
+    assert bench.input_names_from_chunk({"a": 1, "b": 2}) == ["a", "b"]
+    assert bench.input_names_from_chunk([np.zeros(2), np.zeros(2)]) == ["input0", "input1"]
+    assert bench.chunk_rows([np.zeros((5, 2))]) == 5 and bench.chunk_rows(None) == 0
+    batches = bench.make_batches([{"x": np.arange(10)}, {"x": np.arange(10, 25)}], 8)
+    assert [b["x"].tolist() for b in batches] == [list(range(8)), list(range(8, 16)), list(range(16, 24))]
+
+
+def test_run_bench_without_model_measures_fetch_and_threads(module_dir):
+    fetch = bench.load_fetch("bench_fetch_mod:fetch_list")
+    results = bench.run_bench(fetch, batch_size=8, seconds=0.1, workers=[1, 2], processes=False)
+    assert [r.name for r in results] == ["fetch alone, 1 thread", "feeder, 1 thread", "feeder, 2 threads"]
+    assert all(r.error is None and r.rows > 0 for r in results), [(r.name, r.error) for r in results]
+    assert bench.best(results).name.startswith("feeder, ")
+    rows, best = parse_table(bench.format_table(results))
+    assert set(rows) == {r.name for r in results} and best in rows
+    assert max(ratio for _, ratio in rows.values()) == 1.0
+
+
+def test_a_failing_configuration_is_reported_not_raised():
+    def fetch(worker_id, batch_size):
+        return [np.ones((4, 2), np.float64)]
+
+    results = bench.run_bench(fetch, batch_size=4, seconds=0.05, workers=[1], processes=False)
+    assert all(r.error is None for r in results)
+    bad = bench.measure_feeder(fetch, ["a", "b"], 4, 0.05, 1)  # two names for a one-array chunk
+    assert bad.error is not None and "InputValidationError" in bad.error
+    assert "error:" in bench.format_table([results[0], bad])
+
+
+def test_feeder_bench_command_with_a_model(module_dir):
+    (module_dir / "tiny.onnx").write_bytes(linear_model(in_dim=4, out_dim=3))
+    cmd = [sys.executable, "-m", "feeder", "bench", "bench_fetch_mod:fetch", "--model", "tiny.onnx",
+           "--seconds", "0.3", "--batch-size", "16", "--workers", "2"]
+    out = subprocess.run(cmd, cwd=module_dir, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    rows, best = parse_table(out.stdout)
+    expected = {"fetch alone, 1 thread", "feeder, 1 thread", "feeder, 2 threads", "model alone, 1 intra-op thread",
+                "feeder + model, 1 thread", "feeder + model, 2 threads"}
+    assert expected <= set(rows), out.stdout
+    assert best.startswith("feeder + model, ")
+    assert all(rate > 0 for rate, _ in rows.values())
+    assert max(ratio for _, ratio in rows.values()) == 1.0
+
+
+def test_feeder_bench_json_and_usage(module_dir):
+    out = subprocess.run([sys.executable, "-m", "feeder", "bench", "bench_fetch_mod:fetch", "--seconds", "0.1",
+                          "--workers", "1", "--json"], cwd=module_dir, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["best"] == "feeder, 1 thread"
+    assert {r["kind"] for r in data["results"]} == {"fetch", "feeder"}
+    usage = subprocess.run([sys.executable, "-m", "feeder"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "bench" in usage.stderr
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def test_the_examples_fetch_functions_load_by_file_path():
+    pytest.importorskip("onnx")
+    quick = bench.load_fetch(os.path.join(EXAMPLES, "quickstart.py") + ":fetch")
+    assert quick(0, 64)[0].dtype == np.float32
+    pytest.importorskip("magika")
+    classify = bench.load_fetch(os.path.join(EXAMPLES, "classify_files.py") + ":fetch")
+    chunk = classify(0, 16)
+    assert list(chunk) == ["bytes"] and chunk["bytes"].dtype == np.int32 and chunk["bytes"].shape[1] == 2048

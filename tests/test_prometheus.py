@@ -1,0 +1,147 @@
+"""PrometheusLogger: series names, labels and values, scraped from a real exporter on 127.0.0.1."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+import feeder
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+def chunk(worker_id, batch_size):
+    return [np.ones((3, 2), np.float32)]
+
+
+def scrape(registry) -> dict:
+    """Serve ``registry`` on an ephemeral port of 127.0.0.1, scrape it once, shut the server down.
+    Returns {sample name: {(source, replica): value}} and the family types."""
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        port = server.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert not thread.is_alive()
+    samples, types = {}, {}
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples.setdefault(s.name, {})[(s.labels.get("source"), s.labels.get("replica"))] = s.value
+    return {"samples": samples, "types": types}
+
+
+def test_scrape_shows_each_source_with_its_values(coord):
+    registry = prometheus_client.CollectorRegistry()
+    prom = feeder.PrometheusLogger(registry=registry)
+    for name in ("train", "test"):
+        feeder.init_data_input_workers(None, ["x"], chunk, 4, num_worker_threads=1, input_source_name=name,
+                                       external_loggers=[prom], coordinator=coord)
+    coord.start()
+    taken = {"train": 5, "test": 2}
+    for name, n in taken.items():
+        for _ in range(n):
+            coord.feed(name).next_batch(timeout=10)
+    assert coord.stop()  # the final report reaches the logger before stop() returns
+    got = scrape(registry)
+    s, types = got["samples"], got["types"]
+    assert types["feeder_batches"] == "counter" and types["feeder_queue_size"] == "gauge"
+    assert types["feeder_bytes_delivered"] == "counter" and types["feeder_inputs_per_sec"] == "gauge"
+    assert s["feeder_batches_total"] == {("train", "0"): 5.0, ("test", "0"): 2.0}
+    assert s["feeder_rows_total"] == {("train", "0"): 20.0, ("test", "0"): 8.0}
+    assert s["feeder_bytes_delivered_total"][("train", "0")] == 5 * 4 * 2 * 4
+    assert s["feeder_batch_size"] == {("train", "0"): 4.0, ("test", "0"): 4.0}
+    assert s["feeder_fetch_calls_total"][("train", "0")] >= 2
+
+
+def test_replicas_get_their_own_series_and_loggers_share_a_registry(coord):
+    registry = prometheus_client.CollectorRegistry()
+    a, b = feeder.PrometheusLogger(registry=registry), feeder.PrometheusLogger(registry=registry)
+    other = feeder.PrometheusLogger(registry=registry, namespace="job")
+    for logger in (a, b):  # two replicas of one source, each with its own logger
+        feeder.init_data_input_workers(None, ["x"], chunk, 3, num_worker_threads=1, input_source_name="score",
+                                       external_loggers=[logger, other], coordinator=coord)
+    coord.start()
+    feeds = coord.feeds("score")
+    for _ in range(3):
+        feeds[0].next_batch(timeout=10)
+    feeds[1].next_batch(timeout=10)
+    assert coord.stop()
+    s = scrape(registry)["samples"]
+    assert sorted(s["feeder_batches_total"].values()) == [1.0, 3.0]
+    assert set(s["feeder_batches_total"]) == {("score", "0"), ("score", "1")}
+    assert s["job_batches_total"] == s["feeder_batches_total"]
+
+
+def test_plain_loggers_still_get_log_metrics_only(coord):
+    class Plain:
+        def __init__(self):
+            self.calls = []
+
+        def log(self, metrics):  # no feed= parameter: must not be passed one
+            self.calls.append(metrics)
+
+    plain = Plain()
+    feeder.init_data_input_workers(None, ["x"], chunk, 4, num_worker_threads=1, external_loggers=[plain],
+                                   coordinator=coord)
+    coord.start()
+    coord.feed("train").next_batch(timeout=10)
+    assert coord.stop()
+    assert plain.calls and plain.calls[-1]["batches"] == 1.0
+
+
+def test_bad_namespace_is_rejected():
+    registry = prometheus_client.CollectorRegistry()
+    with pytest.raises(ValueError, match="namespace"):
+        feeder.PrometheusLogger(registry=registry, namespace="bad name")
+
+
+def test_importing_feeder_does_not_import_prometheus_client():
+    code = ("import sys, feeder; assert 'prometheus_client' not in sys.modules, 'imported'; "
+            "print(feeder.PrometheusLogger.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "PrometheusLogger"
+
+
+def test_without_prometheus_client_creating_a_logger_says_what_to_install():
+    code = ("import sys; sys.modules['prometheus_client'] = None\n"
+            "import feeder\n"
+            "try:\n    feeder.PrometheusLogger()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'feeder[prometheus]'" in out.stdout
+
+
+def test_a_gone_feed_frees_its_replica_index_and_hand_calls_name_their_source():
+    import gc
+
+    from feeder.prometheus import _Collector
+
+    class FakeFeed:
+        def __init__(self, name):
+            self.input_source_name = name
+
+    collector = _Collector("feeder")
+    first, second = FakeFeed("train"), FakeFeed("train")
+    collector.update("train", first, {"batches": 1.0})
+    collector.update("train", second, {"batches": 2.0})
+    assert set(collector._latest) == {("train", "0"), ("train", "1")}
+    del first
+    gc.collect()
+    collector.update("train", FakeFeed("train"), {"batches": 3.0})  # a new registration continues series 0
+    assert collector._latest[("train", "0")] == {"batches": 3.0}
+
+    registry = prometheus_client.CollectorRegistry()
+    prom = feeder.PrometheusLogger(registry=registry, namespace="app")
+    prom.log({"rows": 5.0, "queue_size": 1.0}, source="manual")
+    assert registry.get_sample_value("app_rows_total", {"source": "manual", "replica": "0"}) == 5.0
+    assert registry.get_sample_value("app_queue_size", {"source": "manual", "replica": "0"}) == 1.0
