@@ -9,13 +9,16 @@ Usage::
                                    external_loggers=[prom], log_interval=10.0)
     prometheus_client.start_http_server(8000)              # your exporter: feeder opens no socket
 
-Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` with the labels
-``source`` (the feed's ``input_source_name``) and ``replica`` (0 for the first feed of that
-source that reported to this registry, 1 for the next, ...; data-parallel replicas each have
-their own counters). Monotonic totals (``batches``, ``rows``, ``fetch_calls``,
-``bytes_delivered``, ...) are counters, exposed with Prometheus' ``_total`` suffix
-(``feeder_batches_total``); the rest are gauges. Values are the feed's latest report (every
-``log_interval`` and at stop): a scrape never touches the feed's threads.
+Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` with one label,
+``source`` (the feed's ``input_source_name``), as API.md says. Data-parallel replicas of a
+source are added up into the source's series: their per-feed counts and rates are summed,
+and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
+``live_workers``, ``batch_size``, ``uptime_s``) is taken from the replica that reported last.
+Monotonic totals (``batches``, ``rows``, ``fetch_calls``, ``bytes_delivered``, ...) are
+counters, exposed with Prometheus' ``_total`` suffix (``feeder_batches_total``; the family is
+``feeder_batches``) and still growing across a stop and a new registration of the same
+source; the rest are gauges. Values are the feeds' latest reports (every ``log_interval`` and
+at stop): a scrape never touches the feeds' threads.
 
 How the feed tells the logger its source: ``PrometheusLogger`` sets ``log_with_feed = True``,
 so the feed calls ``log(metrics, feed=feed)`` instead of ``log(metrics)`` (see
@@ -28,6 +31,7 @@ number of registrations. prometheus_client is imported only when a logger is cre
 """
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import weakref
@@ -40,7 +44,7 @@ COUNTERS = frozenset({
     "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
     "zero_copy_batches",
 })
-LABELS = ("source", "replica")
+LABELS = ("source",)
 
 _INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'feeder[prometheus]'"
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
@@ -52,36 +56,73 @@ def metric_name(namespace: str, key: str) -> str:
     return "_" + name if name[0].isdigit() else name
 
 
+# Metrics that describe the source as a whole: every replica reports the same value.
+SOURCE_LEVEL = frozenset({"queue_size", "queue_capacity", "live_workers", "batch_size", "uptime_s"})
+
+
+def _source_level(key: str) -> bool:
+    return key.startswith("source_") or key in SOURCE_LEVEL
+
+
+class _Report:
+    __slots__ = ("source", "metrics", "seq", "feed")
+
+    def __init__(self, source: str, metrics: Dict[str, float], seq: int, feed: Any):
+        self.source, self.metrics, self.seq, self.feed = source, metrics, seq, feed
+
+    def live(self) -> bool:
+        feed = self.feed() if self.feed is not None else None
+        return feed is not None and not getattr(feed, "_stopped", False)
+
+
 class _Collector:
-    """The latest metrics of every (source, replica) seen, yielded as metric families on a scrape."""
+    """The latest report of every feed seen, added up per source and yielded on a scrape."""
 
     def __init__(self, namespace: str):
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._latest: Dict[Tuple[str, str], Dict[str, float]] = {}
-        # feed -> its replica index; weak so that a feed that is gone frees its index for the
-        # next registration of the same source (which then continues that series).
-        self._replicas: "weakref.WeakKeyDictionary[Any, Tuple[str, str]]" = weakref.WeakKeyDictionary()
+        self._seq = itertools.count()
+        # One entry per feed ever seen, kept after the feed is gone so that counters never go
+        # back; a feed is told apart by a token tied to it weakly (ids can be reused).
+        self._reports: Dict[Any, _Report] = {}
+        self._tokens: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     def update(self, source: str, feed: Any, metrics: Mapping[str, float]) -> None:
         snapshot = {str(k): float(v) for k, v in metrics.items()}
         with self._lock:
-            key = self._key(source, feed)
-            self._latest[key] = snapshot
+            seq = next(self._seq)
+            token: Any = ("by hand", source)
+            ref = None
+            if feed is not None:
+                try:
+                    token = self._tokens.setdefault(feed, seq)
+                    ref = weakref.ref(feed)
+                except TypeError:  # not weak-referenceable: one entry per source
+                    pass
+            self._reports[token] = _Report(source, snapshot, seq, ref)
 
-    def _key(self, source: str, feed: Any) -> Tuple[str, str]:
-        if feed is None:
-            return (source, "0")
-        try:
-            key = self._replicas.get(feed)
-        except TypeError:  # not weak-referenceable: treat as the source's only feed
-            return (source, "0")
-        if key is None or key[0] != source:
-            taken = {k[1] for k in self._replicas.values() if k[0] == source}
-            index = next(i for i in range(len(taken) + 1) if str(i) not in taken)
-            key = (source, str(index))
-            self._replicas[feed] = key
-        return key
+    def values(self) -> Dict[str, Dict[str, float]]:
+        """{source: {metric: value}}, replicas added up (see the module docstring)."""
+        with self._lock:
+            reports = list(self._reports.values())
+        by_source: Dict[str, List[_Report]] = {}
+        for r in reports:
+            by_source.setdefault(r.source, []).append(r)
+        out: Dict[str, Dict[str, float]] = {}
+        for source, rs in by_source.items():
+            latest = max(rs, key=lambda r: r.seq)
+            live = [r for r in rs if r.live()] or [latest]
+            values: Dict[str, float] = {}
+            for key in sorted({k for r in rs for k in r.metrics}):
+                if _source_level(key):
+                    have = [r for r in rs if key in r.metrics]
+                    values[key] = max(have, key=lambda r: r.seq).metrics[key]
+                elif key in COUNTERS:
+                    values[key] = sum(r.metrics.get(key, 0.0) for r in rs)
+                else:
+                    values[key] = sum(r.metrics.get(key, 0.0) for r in live)
+            out[source] = values
+        return out
 
     def describe(self) -> List[Any]:
         return []  # names appear as sources report; nothing to check at registration
@@ -89,28 +130,28 @@ class _Collector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        with self._lock:
-            latest = sorted(self._latest.items())
-        keys = sorted({k for _, m in latest for k in m})
-        for key in keys:
+        values = sorted(self.values().items())
+        for key in sorted({k for _, m in values for k in m}):
             name = metric_name(self.namespace, key)
             if key in COUNTERS:
                 family: Any = CounterMetricFamily(name, f"feeder metric {key!r} (total)", labels=LABELS)
             else:
                 family = GaugeMetricFamily(name, f"feeder metric {key!r}", labels=LABELS)
-            for (source, replica), m in latest:
+            for source, m in values:
                 if key in m:
-                    family.add_metric([source, replica], m[key])
+                    family.add_metric([source], m[key])
             yield family
 
 
-_collectors_lock = threading.Lock()
-_collectors: "weakref.WeakKeyDictionary[Any, Dict[str, _Collector]]" = weakref.WeakKeyDictionary()
+_COLLECTORS_ATTR = "_feeder_prometheus_collectors"  # on the registry: {namespace: _Collector}
+_registering = threading.Lock()  # guards creating a registry's collector; holds no data
 
 
 def _collector_for(registry: Any, namespace: str) -> _Collector:
-    with _collectors_lock:
-        by_ns = _collectors.setdefault(registry, {})
+    """The registry's collector for ``namespace``, shared by every logger of that pair. It is
+    kept on the registry itself, so the library holds no state about registries."""
+    with _registering:
+        by_ns = registry.__dict__.setdefault(_COLLECTORS_ATTR, {})
         collector = by_ns.get(namespace)
         if collector is None:
             collector = _Collector(namespace)

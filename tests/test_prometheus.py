@@ -20,7 +20,8 @@ def chunk(worker_id, batch_size):
 
 def scrape(registry) -> dict:
     """Serve ``registry`` on an ephemeral port of 127.0.0.1, scrape it once, shut the server down.
-    Returns {sample name: {(source, replica): value}} and the family types."""
+    Returns {sample name: {source: value}} and the family types; every sample's labels must be
+    exactly {"source": ...}, as API.md says."""
     server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         port = server.server_address[1]
@@ -35,7 +36,8 @@ def scrape(registry) -> dict:
     for family in text_string_to_metric_families(text):
         types[family.name] = family.type
         for s in family.samples:
-            samples.setdefault(s.name, {})[(s.labels.get("source"), s.labels.get("replica"))] = s.value
+            assert set(s.labels) == {"source"}, s
+            samples.setdefault(s.name, {})[s.labels["source"]] = s.value
     return {"samples": samples, "types": types}
 
 
@@ -55,14 +57,15 @@ def test_scrape_shows_each_source_with_its_values(coord):
     s, types = got["samples"], got["types"]
     assert types["feeder_batches"] == "counter" and types["feeder_queue_size"] == "gauge"
     assert types["feeder_bytes_delivered"] == "counter" and types["feeder_inputs_per_sec"] == "gauge"
-    assert s["feeder_batches_total"] == {("train", "0"): 5.0, ("test", "0"): 2.0}
-    assert s["feeder_rows_total"] == {("train", "0"): 20.0, ("test", "0"): 8.0}
-    assert s["feeder_bytes_delivered_total"][("train", "0")] == 5 * 4 * 2 * 4
-    assert s["feeder_batch_size"] == {("train", "0"): 4.0, ("test", "0"): 4.0}
-    assert s["feeder_fetch_calls_total"][("train", "0")] >= 2
+    assert s["feeder_batches_total"] == {"train": 5.0, "test": 2.0}
+    assert s["feeder_rows_total"] == {"train": 20.0, "test": 8.0}
+    assert s["feeder_bytes_delivered_total"]["train"] == 5 * 4 * 2 * 4
+    assert s["feeder_batch_size"] == {"train": 4.0, "test": 4.0}
+    assert s["feeder_fetch_calls_total"]["train"] >= 2
+    assert s["feeder_source_rows_delivered_total"] == {"train": 20.0, "test": 8.0}
 
 
-def test_replicas_get_their_own_series_and_loggers_share_a_registry(coord):
+def test_replicas_add_up_into_their_source_and_loggers_share_a_registry(coord):
     registry = prometheus_client.CollectorRegistry()
     a, b = feeder.PrometheusLogger(registry=registry), feeder.PrometheusLogger(registry=registry)
     other = feeder.PrometheusLogger(registry=registry, namespace="job")
@@ -76,8 +79,9 @@ def test_replicas_get_their_own_series_and_loggers_share_a_registry(coord):
     feeds[1].next_batch(timeout=10)
     assert coord.stop()
     s = scrape(registry)["samples"]
-    assert sorted(s["feeder_batches_total"].values()) == [1.0, 3.0]
-    assert set(s["feeder_batches_total"]) == {("score", "0"), ("score", "1")}
+    assert s["feeder_batches_total"] == {"score": 4.0}  # 3 + 1: the replicas add up
+    assert s["feeder_source_rows_delivered_total"] == {"score": 12.0}  # the source's own: not doubled
+    assert s["feeder_batch_size"] == {"score": 3.0}
     assert s["job_batches_total"] == s["feeder_batches_total"]
 
 
@@ -121,7 +125,7 @@ def test_without_prometheus_client_creating_a_logger_says_what_to_install():
     assert "pip install 'feeder[prometheus]'" in out.stdout
 
 
-def test_a_gone_feed_frees_its_replica_index_and_hand_calls_name_their_source():
+def test_counters_survive_a_gone_feed_and_hand_calls_name_their_source():
     import gc
 
     from feeder.prometheus import _Collector
@@ -132,16 +136,17 @@ def test_a_gone_feed_frees_its_replica_index_and_hand_calls_name_their_source():
 
     collector = _Collector("feeder")
     first, second = FakeFeed("train"), FakeFeed("train")
-    collector.update("train", first, {"batches": 1.0})
-    collector.update("train", second, {"batches": 2.0})
-    assert set(collector._latest) == {("train", "0"), ("train", "1")}
+    collector.update("train", first, {"batches": 1.0, "ready_batches": 2.0})
+    collector.update("train", second, {"batches": 2.0, "ready_batches": 1.0})
+    assert collector.values()["train"] == {"batches": 3.0, "ready_batches": 3.0}
     del first
     gc.collect()
-    collector.update("train", FakeFeed("train"), {"batches": 3.0})  # a new registration continues series 0
-    assert collector._latest[("train", "0")] == {"batches": 3.0}
+    collector.update("train", FakeFeed("train"), {"batches": 3.0, "ready_batches": 0.0})
+    # the gone feed's count stays in the total; gauges count the feeds still there
+    assert collector.values()["train"]["batches"] == 6.0
 
     registry = prometheus_client.CollectorRegistry()
     prom = feeder.PrometheusLogger(registry=registry, namespace="app")
     prom.log({"rows": 5.0, "queue_size": 1.0}, source="manual")
-    assert registry.get_sample_value("app_rows_total", {"source": "manual", "replica": "0"}) == 5.0
-    assert registry.get_sample_value("app_queue_size", {"source": "manual", "replica": "0"}) == 1.0
+    assert registry.get_sample_value("app_rows_total", {"source": "manual"}) == 5.0
+    assert registry.get_sample_value("app_queue_size", {"source": "manual"}) == 1.0
