@@ -19,11 +19,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .chunks import ChunkValidator, InputSpec
+from .diagnosis import StageTimes, verdict
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
 from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
-from .runtime import PreparedBatch, Runner
+from .runtime import PreparedBatch, Runner, intra_op_threads
 from .source import CLOSED, EMPTY, END, ChunkQueue
 from .workers import SLICE_S, WorkerState, fetch_loop
 
@@ -294,7 +295,8 @@ class Feed:
             if self.source.feed_reached_end():
                 self.source.check_ledger("end of data")
             raise StopIteration
-        self.counters.took(item.rows, item.nbytes, time.monotonic() - start)
+        now = time.monotonic()
+        self.counters.took(item.rows, item.nbytes, now - start, start, now)
         if self.source.max_bytes is not None:
             self.source.notify_room()
         return item
@@ -343,7 +345,13 @@ class Feed:
         if self._runner is None:
             raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "
                               f"use next_batch() or iterate over it")
-        return self._runner.run(self._next_prepared(None), output_names, run_options)
+        batch = self._next_prepared(None)
+        t0 = time.monotonic()
+        try:
+            return self._runner.run(batch, output_names, run_options)
+        finally:
+            t1 = time.monotonic()
+            self.counters.ran(t1 - t0, t1)
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         return self
@@ -433,7 +441,35 @@ class Feed:
             "bytes_copied": float(self._rebatcher.copied_bytes + sum(w.copied_bytes for w in self._workers)),
             "zero_copy_batches": float(self._rebatcher.zero_copy_batches),
         }
+        m.update(self._stage_metrics(now, c))
         return {k: float(v) for k, v in m.items()}  # the contract: dict[str, float]
+
+    def _stage_metrics(self, now: float, c: Dict[str, float]) -> Dict[str, float]:
+        w = self._workers
+        return {
+            "consumer_run_s": c["run_s"], "consumer_between_s": c["between_s"],
+            "fetch_s": sum(s.fetch_s for s in w), "fetch_blocked_s": sum(s.blocked_s for s in w),
+            "fetch_wall_s": sum(s.lifetime(now) for s in w), "fetch_cpu_s": sum(s.cpu_s for s in w),
+            "fetch_cpu_wall_s": sum(s.cpu_wall_s for s in w),
+        }
+
+    def stage_times(self) -> StageTimes:
+        """The stage times behind :meth:`diagnose` (seconds; see ``feeder.diagnosis``)."""
+        now = time.monotonic()
+        m = self.metrics()
+        return StageTimes(
+            elapsed_s=m["uptime_s"], batches=m["batches"], rows=m["rows"], consumer_wait_s=m["consumer_wait_s"],
+            consumer_run_s=m["consumer_run_s"], consumer_between_s=m["consumer_between_s"],
+            workers=sum(1 for s in self._workers if s.lifetime(now) > 0), mode="threads", fetch_s=m["fetch_s"],
+            fetch_blocked_s=m["fetch_blocked_s"], fetch_wall_s=m["fetch_wall_s"], fetch_cpu_s=m["fetch_cpu_s"],
+            fetch_cpu_wall_s=m["fetch_cpu_wall_s"], rows_fetched=m["rows_fetched"],
+            queue_capacity=m["queue_capacity"],
+            intra_op_threads=intra_op_threads(self.session) if self.session is not None else None)
+
+    def diagnose(self) -> str:
+        """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),
+        by how much, what to change, and the figures behind it (cumulative since start)."""
+        return verdict(self.stage_times())
 
     def _report(self, final: bool = False) -> None:
         m = self.metrics()
@@ -443,6 +479,8 @@ class Feed:
                  "%d ready, %d live fetchers", self.input_source_name, " (final)" if final else "", rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
                  m["live_workers"])
+        if final and self._started:
+            log.info("feeder source %r: %s", self.input_source_name, self.diagnose())
         send_to_external_loggers(self.external_loggers, m, self.input_source_name, feed=self)
 
     def _due_report(self, now: float) -> bool:

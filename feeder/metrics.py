@@ -21,19 +21,31 @@ class ConsumerCounters:
     take a lock (Caffe2's unlocked ``+=`` lost counts); the fields are plain attributes so that
     the per-batch update is cheap."""
 
-    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s")
+    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s", "run_s", "between_s", "_last_end")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.batches = self.rows = self.bytes = 0
-        self.wait_s = 0.0
+        # Stage times, seconds: waiting for a batch, inside run(), and the consumer's own code
+        # between the end of one call and the start of the next (see feeder.diagnosis).
+        self.wait_s = self.run_s = self.between_s = 0.0
+        self._last_end = 0.0
 
-    def took(self, rows: int, nbytes: int, wait_s: float) -> None:
+    def took(self, rows: int, nbytes: int, wait_s: float, start: float, now: float) -> None:
+        """A consumer call that started at ``start`` took a batch at ``now`` (monotonic seconds)."""
         with self._lock:
             self.batches += 1
             self.rows += rows
             self.bytes += nbytes
             self.wait_s += wait_s
+            if self._last_end and start > self._last_end:
+                self.between_s += start - self._last_end
+            self._last_end = now
+
+    def ran(self, run_s: float, now: float) -> None:
+        with self._lock:
+            self.run_s += run_s
+            self._last_end = now
 
     def waited(self, wait_s: float) -> None:
         with self._lock:
@@ -41,7 +53,8 @@ class ConsumerCounters:
 
     def snapshot(self) -> Dict[str, float]:
         with self._lock:
-            return {"batches": self.batches, "rows": self.rows, "bytes": self.bytes, "wait_s": self.wait_s}
+            return {"batches": self.batches, "rows": self.rows, "bytes": self.bytes, "wait_s": self.wait_s,
+                    "run_s": self.run_s, "between_s": self.between_s}
 
 
 class RateMeter:

@@ -56,6 +56,16 @@ def input_specs(session: Any) -> List[InputSpec]:
     return specs
 
 
+def intra_op_threads(session: Any) -> Optional[int]:
+    """The session's intra-op thread setting (0: ONNX Runtime's default, all cores), or None
+    when it cannot be told (a training adapter, or an older onnxruntime)."""
+    inner = getattr(session, "session", session)  # StatefulSession wraps an InferenceSession
+    try:
+        return int(inner.get_session_options().intra_op_num_threads)
+    except Exception:  # not an InferenceSession: nothing to advise about
+        return None
+
+
 def output_names(session: Any) -> List[str]:
     return [o.name for o in session.get_outputs()]
 

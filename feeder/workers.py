@@ -40,6 +40,7 @@ COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putti
 COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
 COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
 COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced
+CPU_SAMPLE_S = 0.05       # fetchers read their CPU clock this often (it is ~8x dearer than monotonic)
 IN_FETCH = "in fetch_fun"
 
 
@@ -48,7 +49,8 @@ class WorkerState:
     need no lock); read by timeouts' diagnoses, metrics and stop()'s straggler report."""
 
     __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
-                 "empty_chunks", "fetch_errors", "copied_bytes")
+                 "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
+                 "cpu_s", "cpu_wall_s", "_cpu0")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
@@ -58,6 +60,27 @@ class WorkerState:
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
         self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
         self.copied_bytes = 0  # bytes this fetcher copied while coalescing
+        # Stage times, seconds (see feeder.diagnosis): lifetime, inside fetch_fun, waiting for room in
+        # the source, and CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the lifetime.
+        self.started_at = self.ended_at = 0.0
+        self.fetch_s = self.blocked_s = self.cpu_s = self.cpu_wall_s = 0.0
+        self._cpu0 = 0.0
+
+    def begin(self) -> None:
+        """Called by the fetcher itself as it starts: the origin of its lifetime and CPU clock."""
+        self.started_at = time.monotonic()
+        self._cpu0 = time.thread_time()
+
+    def sample_cpu(self, now: float) -> None:
+        """Read this thread's CPU clock (costs ~0.6 us, so only every CPU_SAMPLE_S)."""
+        self.cpu_s = time.thread_time() - self._cpu0
+        self.cpu_wall_s = now - self.started_at
+
+    def lifetime(self, now: float) -> float:
+        """Seconds this fetcher has run (until it ended, if it has)."""
+        if not self.started_at:
+            return 0.0
+        return (self.ended_at or now) - self.started_at
 
     def set(self, state: str) -> None:
         self.state = state
@@ -90,10 +113,14 @@ def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.E
         state.rows_put += chunk.rows
         return True
     state.set("waiting for queue space")
-    while put is not True:
-        if put is CLOSED or stop.is_set() or source.failure is not None:
-            return False
-        put = source.put(chunk, SLICE_S)
+    blocked_since = state.since
+    try:
+        while put is not True:
+            if put is CLOSED or stop.is_set() or source.failure is not None:
+                return False
+            put = source.put(chunk, SLICE_S)
+    finally:
+        state.blocked_s += time.monotonic() - blocked_since
     state.rows_put += chunk.rows
     return True
 
@@ -220,7 +247,9 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
 
     monotonic = time.monotonic
     check = validator.check
+    state.begin()
     now = monotonic()
+    cpu_due = now + CPU_SAMPLE_S
     try:
         while not stop.is_set() and source.failure is None:
             if co is not None and co.held_since and now - co.held_since > COALESCE_HOLD_S:
@@ -267,6 +296,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 except IndexError:
                     co.reclaim()
             now = monotonic()
+            state.fetch_s += now - state.since
+            if now >= cpu_due:
+                state.sample_cpu(now)
+                cpu_due = now + CPU_SAMPLE_S
             if raw is None:
                 state.none_chunks += 1
                 log.warning("source %r worker %d: fetch_fun returned None; skipped", source_name, wid)
@@ -308,6 +341,8 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     finally:
         if not state.state.startswith(("ended", "failed")):
             state.set("stopped")
+        state.ended_at = monotonic()
+        state.sample_cpu(state.ended_at)
         # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
         # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
         source.discarded(state.rows - state.rows_put, fetched=True)

@@ -1,0 +1,128 @@
+"""Where the time goes: a verdict on what bounds a feed's throughput, from its stage times.
+
+Pure logic, no threads: :class:`StageTimes` holds what a feed measured (the consumer's time
+waiting for batches, in ``run()`` and in its own code between calls; the fetchers' time in
+``fetch_fun``, blocked on a full queue, and their CPU use), and :func:`verdict` turns it into
+a few plain sentences: which stage bounds throughput, by how much, what to change, and the
+figures behind it.
+
+How it decides (shares of the consumer's time, which is what the runtime sees):
+
+* input-bound: the consumer waited for batches at least a quarter of its time, and longer
+  than it spent in ``run()`` or in its own code. Then the fetchers say why: busy in
+  ``fetch_fun`` but using little CPU (I/O, sleeps): more threads; using about one core in all
+  with several threads (Python holding the GIL): worker processes; blocked on a full queue
+  while the consumer still waits: the queue absorbs no bursts (a larger
+  ``max_buffered_batches``) or the enqueuer is the bottleneck; CPU-bound fetchers next to an
+  ONNX Runtime session with several intra-op threads: fewer intra-op threads (spinning pool
+  threads take the fetchers' core).
+* model-bound: ``run()`` takes the largest share; feeding keeps up.
+* consumer-bound: the consumer's own code between calls takes the largest share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+INPUT_BOUND_SHARE = 0.25   # the consumer waiting this share of its time is input-bound
+BLOCKED_SHARE = 0.2        # fetchers blocked on a full queue this share of their time: queue full
+GIL_CORES = 1.3            # threads using at most this many cores in all (with >= 2 busy): GIL-bound
+CPU_BOUND = 0.6            # a fetcher using this share of a core while busy is CPU-bound
+
+
+@dataclass
+class StageTimes:
+    """A feed's stage times; all times are seconds, summed over threads where there are several."""
+
+    elapsed_s: float               # since the feed started
+    batches: float
+    rows: float
+    consumer_wait_s: float         # consumers waiting for a batch
+    consumer_run_s: float          # consumers inside run() (the session)
+    consumer_between_s: float      # consumers' own code between two calls
+    workers: int                   # fetchers (threads or processes) that ran
+    mode: str                      # "threads" or "processes"
+    fetch_s: float                 # fetchers inside fetch_fun
+    fetch_blocked_s: float         # fetchers waiting for room in the source
+    fetch_wall_s: float            # fetchers' lifetimes, summed
+    fetch_cpu_s: float             # fetchers' CPU time (sampled), ...
+    fetch_cpu_wall_s: float        # ... over this much of their lifetimes
+    rows_fetched: float
+    queue_capacity: float          # chunks
+    intra_op_threads: Optional[int] = None  # the session's intra-op threads; 0: ORT's default (all cores)
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.0f}%" if whole > 0 else "0%"
+
+
+def verdict(t: StageTimes) -> str:
+    """A few sentences: what bounds throughput, by how much, what to change, and the figures."""
+    consumer = t.consumer_wait_s + t.consumer_run_s + t.consumer_between_s
+    rate = t.rows / t.elapsed_s if t.elapsed_s > 0 else 0.0
+    busy = t.fetch_s / t.fetch_wall_s if t.fetch_wall_s > 0 else 0.0           # per fetcher, in fetch_fun
+    blocked = t.fetch_blocked_s / t.fetch_wall_s if t.fetch_wall_s > 0 else 0.0
+    cores = t.fetch_cpu_s / t.fetch_cpu_wall_s * t.workers if t.fetch_cpu_wall_s > 0 else 0.0  # in all
+    per_fetcher_cpu = cores / t.workers if t.workers else 0.0
+    fetched = t.rows_fetched / t.elapsed_s if t.elapsed_s > 0 else 0.0
+    out: List[str] = []
+
+    if t.batches == 0 or consumer <= 0:
+        out.append("No batch has been consumed yet, so there is no verdict.")
+    else:
+        wait, run, between = (x / consumer for x in (t.consumer_wait_s, t.consumer_run_s, t.consumer_between_s))
+        if wait >= INPUT_BOUND_SHARE and wait >= run and wait >= between:
+            out.append(f"Input-bound: the consumer waited for batches {_pct(wait, 1)} of its time "
+                       f"({t.consumer_wait_s:.2f} s of {consumer:.2f} s); the runtime idles while data is prepared.")
+            out += _input_advice(t, busy, blocked, cores, per_fetcher_cpu)
+        elif run >= between:
+            out.append(f"Model-bound: run() takes {_pct(run, 1)} of the consumer's time and it waited for "
+                       f"batches only {_pct(wait, 1)}; feeding keeps up"
+                       + (f" (fetchers were blocked on a full queue {_pct(blocked, 1)} of their time)."
+                          if t.fetch_wall_s > 0 else "."))
+            out.append("To go faster, speed up the model or run replicas (several feeds of one source, "
+                       "one consumer thread and IOBinding each); more fetchers would not help.")
+        else:
+            out.append(f"Consumer-bound: your code between calls takes {_pct(between, 1)} of the consumer's "
+                       f"time, run() {_pct(run, 1)} and waiting for batches {_pct(wait, 1)}; feeding keeps up.")
+            out.append("To go faster, move work out of the loop between calls (into fetch_fun, or after "
+                       "the run), or consume from several threads.")
+
+    figures = (f"Figures: {t.batches:.0f} batches, {t.rows:.0f} rows in {t.elapsed_s:.1f} s ({rate:,.0f} rows/s); "
+               f"consumer: waiting {t.consumer_wait_s:.2f} s, in run() {t.consumer_run_s:.2f} s, "
+               f"between calls {t.consumer_between_s:.2f} s")
+    if t.workers:
+        figures += (f"; {t.workers} fetcher {t.mode}: in fetch_fun {_pct(busy, 1)} of their time, blocked on a "
+                    f"full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
+                    f"{fetched:,.0f} rows/s")
+    out.append(figures + f"; queue of {t.queue_capacity:.0f} chunks.")
+    return " ".join(out)
+
+
+def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_fetcher_cpu: float) -> List[str]:
+    if t.workers == 0:
+        return ["No fetcher ran."]
+    advice = []
+    if blocked >= BLOCKED_SHARE:
+        advice.append(f"Yet the fetchers were blocked on a full queue {_pct(blocked, 1)} of their time: the "
+                      f"queue does not absorb bursts, so raise max_buffered_batches (now {t.queue_capacity:.0f}), "
+                      f"or the rebatching thread is the bottleneck (fewer, larger chunks help).")
+    elif t.mode == "threads" and t.workers >= 2 and per_fetcher_cpu >= CPU_BOUND / t.workers and cores <= GIL_CORES \
+            and busy >= 0.5:
+        advice.append(f"The {t.workers} fetcher threads used {cores:.2f} CPU cores in all: Python fetch code holds "
+                      f"the GIL, so threads take turns. Use worker processes (num_worker_processes="
+                      f"{max(2, t.workers)}), or make fetch_fun spend its time in numpy or I/O.")
+    elif per_fetcher_cpu >= CPU_BOUND:
+        what = "worker processes" if t.mode == "processes" else "fetchers (processes if fetch_fun is Python code)"
+        advice.append(f"The fetchers are CPU-bound ({per_fetcher_cpu:.0%} of a core each while running): add "
+                      f"{what} up to the free cores, or make fetch_fun cheaper.")
+    else:
+        advice.append(f"The fetchers spent {_pct(busy, 1)} of their time in fetch_fun but used only "
+                      f"{per_fetcher_cpu:.0%} of a core each: they wait on I/O or sleeps, so more worker threads "
+                      f"help (num_worker_threads={2 * t.workers}).")
+    if per_fetcher_cpu >= CPU_BOUND / max(1, t.workers) and t.intra_op_threads is not None \
+            and t.intra_op_threads != 1:
+        advice.append("The session runs several intra-op threads, whose spinning takes the CPU the fetchers "
+                      "need: create it with intra_op_num_threads=1 (or session.intra_op.allow_spinning=0) "
+                      "and scale with replicas.")
+    return advice

@@ -1,0 +1,140 @@
+"""feed.diagnose(): the verdict names the stage that bounds throughput (issue 13).
+
+Three set-ups built to have one bottleneck each (a slow fetch, a slow model, a slow consumer
+loop), run for real; then the advice branches of the pure verdict on figures made by hand.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import feeder
+from feeder.diagnosis import StageTimes, verdict
+
+pytest.importorskip("onnxruntime")
+from models import linear_model, session  # noqa: E402
+
+
+class SlowModel:
+    """A session adapter whose run takes ``seconds`` (sleeping releases the GIL, as ORT does)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def get_inputs(self):
+        return [SimpleNamespace(name="x", type="tensor(float)", shape=["N", 4])]
+
+    def run_batch(self, batch, output_names, run_options):
+        threading.Event().wait(self.seconds)
+        return [batch.arrays[0].sum()]
+
+
+def fast_fetch(worker_id, batch_size):
+    return [np.ones((batch_size, 4), np.float32)]
+
+
+def slow_fetch(worker_id, batch_size):
+    threading.Event().wait(0.02)  # I/O-like: the fetcher waits, using no CPU
+    return [np.ones((batch_size, 4), np.float32)]
+
+
+def run_for(feed, seconds, call, between=0.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        call()
+        if between:
+            threading.Event().wait(between)
+
+
+def test_slow_fetch_is_input_bound_and_asks_for_more_threads(coord):
+    feeder.init_data_input_workers(SlowModel(0.0), None, slow_fetch, 8, num_worker_threads=1,
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    run_for(feed, 0.6, feed.run)
+    text = feed.diagnose()
+    assert text.startswith("Input-bound"), text
+    assert "more worker threads" in text and "num_worker_threads=2" in text
+    assert "Figures:" in text and "1 fetcher threads" in text
+
+
+def test_slow_model_is_model_bound(coord):
+    feeder.init_data_input_workers(SlowModel(0.01), None, fast_fetch, 8, num_worker_threads=1,
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    run_for(feed, 0.6, feed.run)
+    text = feed.diagnose()
+    assert text.startswith("Model-bound"), text
+    assert "more fetchers would not help" in text
+
+
+def test_slow_consumer_loop_is_consumer_bound(coord):
+    feeder.init_data_input_workers(None, ["x"], fast_fetch, 8, num_worker_threads=1, coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    run_for(feed, 0.6, feed.next_batch, between=0.01)
+    text = feed.diagnose()
+    assert text.startswith("Consumer-bound"), text
+    m = feed.metrics()
+    assert m["consumer_between_s"] > 0.4 and m["consumer_between_s"] > 10 * m["consumer_wait_s"]
+
+
+def test_diagnosis_is_logged_in_the_final_report_and_metrics_carry_stage_times(coord, caplog):
+    sess = session(linear_model())
+    feeder.init_data_input_workers(sess, None, fast_fetch, 8, num_worker_threads=1, coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(20):
+        feed.run()
+    m = feed.metrics()
+    for key in ("consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
+                "fetch_cpu_s", "fetch_cpu_wall_s"):
+        assert isinstance(m[key], float) and m[key] >= 0, key
+    assert m["consumer_run_s"] > 0 and m["fetch_wall_s"] > 0
+    with caplog.at_level(logging.INFO, logger="feeder"):
+        coord.stop()
+    assert any("Figures:" in r.getMessage() and "'train'" in r.getMessage() for r in caplog.records)
+
+
+def test_no_batch_yet_gives_no_verdict(coord):
+    feeder.init_data_input_workers(None, ["x"], fast_fetch, 8, num_worker_threads=1, coordinator=coord)
+    coord.start()
+    assert coord.feed("train").diagnose().startswith("No batch has been consumed yet")
+
+
+def times(**kw):
+    base = dict(elapsed_s=10.0, batches=100, rows=6400, consumer_wait_s=6.0, consumer_run_s=3.0,
+                consumer_between_s=1.0, workers=2, mode="threads", fetch_s=19.0, fetch_blocked_s=0.0,
+                fetch_wall_s=20.0, fetch_cpu_s=10.0, fetch_cpu_wall_s=20.0, rows_fetched=6400,
+                queue_capacity=800, intra_op_threads=1)
+    base.update(kw)
+    return StageTimes(**base)
+
+
+def test_threads_sharing_one_core_are_told_to_use_processes():
+    text = verdict(times())  # 2 busy threads, 1.0 core in all
+    assert "holds the GIL" in text and "num_worker_processes=2" in text
+
+
+def test_cpu_bound_processes_are_told_to_add_processes():
+    text = verdict(times(mode="processes", fetch_cpu_s=19.0))
+    assert "CPU-bound" in text and "worker processes" in text
+
+
+def test_fetchers_blocked_on_a_full_queue_while_the_consumer_waits_ask_for_a_larger_queue():
+    text = verdict(times(fetch_s=8.0, fetch_blocked_s=10.0, fetch_cpu_s=4.0, queue_capacity=4))
+    assert "max_buffered_batches (now 4)" in text
+
+
+def test_spinning_intra_op_threads_are_named_when_fetchers_need_cpu():
+    text = verdict(times(workers=1, fetch_s=9.5, fetch_wall_s=10.0, fetch_cpu_s=9.0, fetch_cpu_wall_s=10.0,
+                         intra_op_threads=0))
+    assert "intra_op_num_threads=1" in text
+    assert "intra_op_num_threads" not in verdict(times(workers=1, fetch_s=9.5, fetch_wall_s=10.0,
+                                                       fetch_cpu_s=9.0, fetch_cpu_wall_s=10.0))
