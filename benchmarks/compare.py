@@ -26,8 +26,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-import feeder  # noqa: E402
 from peers import SeedFeeder, serial_batches, torch_loader  # noqa: E402
+
+import feeder  # noqa: E402
 
 
 # ---- workloads -------------------------------------------------------------------------------

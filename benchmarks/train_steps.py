@@ -21,8 +21,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-import feeder  # noqa: E402
 import train_and_eval as te  # noqa: E402
+
+import feeder  # noqa: E402
 from feeder.runtime import PreparedBatch  # noqa: E402
 
 

@@ -69,7 +69,8 @@ def train_step_model(lr: float = 0.01, momentum: float = 0.9) -> bytes:
     ]
     outputs = [_vi("loss", [])]
     for name, shape in PARAMS:
-        nodes += [n("Mul", ["mu", "v" + name], ["mv" + name]), n("Add", ["mv" + name, "g" + name], ["v" + name + "_new"]),
+        nodes += [n("Mul", ["mu", "v" + name], ["mv" + name]),
+                  n("Add", ["mv" + name, "g" + name], ["v" + name + "_new"]),
                   n("Mul", ["lr", "v" + name + "_new"], ["s" + name]), n("Sub", [name, "s" + name], [name + "_new"])]
         outputs += [_vi(name + "_new", shape), _vi("v" + name + "_new", shape)]
     consts = [numpy_helper.from_array(np.array(v, dtype), k) for k, v, dtype in

@@ -72,8 +72,8 @@ class ChunkValidator:
             else fixed_batch
         self._lock = threading.Lock()
         self._learned = False
-        self._fast: Optional[List[tuple]] = None
-        self._single: Optional[tuple] = None
+        self._fast: Optional[List[Tuple[Any, ...]]] = None
+        self._single: Optional[Tuple[Any, ...]] = None
         self._build_fast()
 
     def _build_fast(self) -> None:
@@ -166,8 +166,8 @@ class ChunkValidator:
                                      f"rank {a.ndim}, shape {a.shape}")
                 for d, (want, have) in enumerate(zip(spec.shape, a.shape)):
                     if want is not None and want != have and (d != axis or self.fixed_batch):
-                        origin = _LEARNED if self._declared[i].shape is None or \
-                            self._declared[i].shape[d] is None else ""
+                        declared = self._declared[i].shape
+                        origin = _LEARNED if declared is None or declared[d] is None else ""
                         raise self._fail(worker_id, name, f"shape {_fmt(spec.shape)} (dim {d} = {want}){origin}",
                                          f"shape {a.shape}")
             n = a.shape[axis]
@@ -250,7 +250,8 @@ class ChunkValidator:
             # any other dtype is fixed to the first chunk's.
             self.specs = [
                 InputSpec(s.name,
-                          None if s.is_string or a.dtype.kind in "US" else (s.dtype if s.dtype is not None else a.dtype),
+                          None if s.is_string or a.dtype.kind in "US"
+                          else (s.dtype if s.dtype is not None else a.dtype),
                           tuple(None if d == ax else a.shape[d] for d in range(a.ndim)),
                           s.is_string or a.dtype.kind in "US")
                 for s, a, ax in zip(self.specs, arrays, self.axes)]

@@ -35,7 +35,7 @@ import itertools
 import re
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 # Keys of feed.metrics() that only ever grow while a feed lives: Prometheus counters.
 COUNTERS = frozenset({
@@ -151,7 +151,7 @@ def _collector_for(registry: Any, namespace: str) -> _Collector:
     """The registry's collector for ``namespace``, shared by every logger of that pair. It is
     kept on the registry itself, so the library holds no state about registries."""
     with _registering:
-        by_ns = registry.__dict__.setdefault(_COLLECTORS_ATTR, {})
+        by_ns: Dict[str, _Collector] = registry.__dict__.setdefault(_COLLECTORS_ATTR, {})
         collector = by_ns.get(namespace)
         if collector is None:
             collector = _Collector(namespace)

@@ -86,4 +86,4 @@ class ReadyQueue:
             self._pushed_bytes -= sum(i.nbytes for i in self._items)
             self._items.clear()
             self._not_full.notify_all()
-            return rows
+            return int(rows)

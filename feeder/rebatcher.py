@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,22 +56,22 @@ def concatenate_into(dst: np.ndarray, pieces: Sequence[np.ndarray], axis: int) -
     go through numpy, which releases the GIL while it copies them.
     """
     if axis != 0 or dst.dtype.kind not in "biufc" or not dst.flags.c_contiguous:
-        np.concatenate(pieces, axis=axis, out=dst, casting=_casting(dst))
+        np.concatenate(list(pieces), axis=axis, out=dst, casting=_casting(dst))
         return
-    mv = memoryview(dst).cast("B")
+    mv = memoryview(dst).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer protocol
     pos = row = 0
     for p in pieces:
         nbytes = p.nbytes
         rows = p.shape[0]
         if nbytes <= SMALL_COPY_BYTES and p.flags.c_contiguous and p.dtype == dst.dtype:
-            mv[pos:pos + nbytes] = memoryview(p).cast("B")
+            mv[pos:pos + nbytes] = memoryview(p).cast("B")  # type: ignore[arg-type]
         else:
             np.copyto(dst[row:row + rows], p, casting=_casting(dst))
         pos += nbytes
         row += rows
 
 
-def _casting(dst: np.ndarray) -> str:
+def _casting(dst: np.ndarray) -> Literal["same_kind", "equiv"]:
     """Copies into a batch buffer never convert values: the chunks were validated to the buffer's
     dtype, so a mismatch is a bug to raise, not a cast to make (strings widen, see ``_cut``)."""
     return "same_kind" if dst.dtype.kind in "USO" else "equiv"
@@ -98,7 +98,7 @@ class BufferRing:
         if size < 1:
             raise ValueError(f"ring size must be >= 1, got {size}")
         self.size = size
-        self._key: Optional[tuple] = None
+        self._key: Optional[Tuple[Any, ...]] = None
         self._sets: List[List[np.ndarray]] = []
         self._last = 0  # the slot handed out last
         self._free_refs = 0
@@ -114,7 +114,7 @@ class BufferRing:
                 return True
         return False
 
-    def _allocate(self, shapes, dtypes) -> List[np.ndarray]:
+    def _allocate(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]) -> List[np.ndarray]:
         self.allocations += 1
         return [np.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
 

@@ -28,7 +28,7 @@ _ORT_TYPES = {
 }
 
 
-def import_onnxruntime():
+def import_onnxruntime() -> Any:
     try:
         import onnxruntime
     except ImportError as e:  # pragma: no cover - exercised only where onnxruntime is absent
@@ -104,8 +104,8 @@ class Runner:
         specs = {s.name: s for s in input_specs(session)}
         self._use_binding = (not self._custom and callable(getattr(session, "io_binding", None))
                              and not any(specs[n].is_string for n in self.input_names if n in specs))
-        self._ort = import_onnxruntime() if self._use_binding else None
-        self._all_outputs = None if self._custom else output_names(session)
+        self._ort: Any = import_onnxruntime() if self._use_binding else None
+        self._all_outputs: List[str] = [] if self._custom else output_names(session)
         self._local = threading.local()
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
@@ -121,15 +121,15 @@ class Runner:
 
     def run(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
         if self._custom:
-            return self.session.run_batch(batch, output_names, run_options)
+            return list(self.session.run_batch(batch, output_names, run_options))
         names = list(output_names) if output_names is not None else self._all_outputs
         if not self._use_binding:
-            return self.session.run(names, batch.as_dict(), run_options)
+            return list(self.session.run(names, batch.as_dict(), run_options))
         binding = getattr(self._local, "binding", None)
         if binding is None:
             binding = self._local.binding = self.session.io_binding()
         ortvalues = batch.ortvalues if batch.ortvalues is not None else self.prepare(batch).ortvalues
-        for name, ov in zip(batch.names, ortvalues):
+        for name, ov in zip(batch.names, ortvalues or ()):
             binding.bind_ortvalue_input(name, ov)
         # Outputs are bound afresh every run: a bound output keeps the shape of its first run, and
         # the next batch of another row count (a short last batch, dont_rebatch, a new batch
@@ -138,7 +138,7 @@ class Runner:
         for name in names:
             binding.bind_output(name)
         self.session.run_with_iobinding(binding, run_options)
-        outputs = binding.copy_outputs_to_cpu()
+        outputs: List[Any] = binding.copy_outputs_to_cpu()
         # Drop the input references so that the batch's buffers are only ever held by us.
         binding.clear_binding_inputs()
         return outputs
@@ -150,7 +150,7 @@ class _Arg:
 
     __slots__ = ("name", "type", "shape")
 
-    def __init__(self, name: str, type: Optional[str] = None, shape: Optional[list] = None):
+    def __init__(self, name: str, type: Optional[str] = None, shape: Optional[List[Any]] = None):
         self.name, self.type, self.shape = name, type, shape
 
     def __repr__(self) -> str:
@@ -245,8 +245,8 @@ class StatefulSession:
                 raise FeederError(f"state {missing} not set: pass initial_state or call load_state() first")
             if self._binding is None:
                 self._binding = self.session.io_binding()
-            b = self._binding
-            for name, ov in zip(batch.names, batch.ortvalues):
+            b: Any = self._binding
+            for name, ov in zip(batch.names, batch.ortvalues or ()):
                 b.bind_ortvalue_input(name, ov)
             for name in self._state_inputs:
                 b.bind_ortvalue_input(name, self._cur[name])

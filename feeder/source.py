@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -91,8 +91,8 @@ class ChunkQueue:
         self._per_worker: Dict[int, Deque[Chunk]] = {}
         self._rotation: List[int] = []
         self._pos = 0
-        self._workers: set = set()
-        self._ended: set = set()
+        self._workers: Set[int] = set()
+        self._ended: Set[int] = set()
         self._closed = False
         self.failure: Optional[Failure] = None
         self.fetch_errors = 0
@@ -177,7 +177,7 @@ class ChunkQueue:
         if self.ordered:
             fits = self.queued_chunks + chunk.slots <= self.maxsize
             turn = self._turn()
-            if chunk.worker_id == turn or self._per_worker.get(turn):
+            if turn is None or chunk.worker_id == turn or self._per_worker[turn]:
                 return fits or not self.queued_chunks
             # Keep the last free slot for the worker whose turn it is: the queue never holds more
             # than maxsize chunks, and the round-robin never waits on a queue full of later turns.
@@ -244,7 +244,7 @@ class ChunkQueue:
                     return CLOSED
                 item = self._next_ordered() if self.ordered else self._next_fifo()
                 if item is not EMPTY:
-                    if item is not END:
+                    if isinstance(item, Chunk):
                         self.queued_chunks -= item.slots
                         self.queued_rows -= item.rows
                         if self.ordered:

@@ -10,9 +10,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from models import linear_model
 
 from feeder import bench
-from models import linear_model
 
 FETCH_MODULE = textwrap.dedent("""
     import numpy as np

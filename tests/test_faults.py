@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
+from utils import Dataset, ListLogger, wait_until
 
 import feeder
 import feeder.feed
-from utils import Dataset, ListLogger, wait_until
 
 
 def rows(n=4):
@@ -182,7 +182,7 @@ def test_stop_twice_and_before_start():
 
 def test_twenty_cycles_leave_no_thread_and_no_rows(coord):
     base = threading.active_count()
-    for i in range(20):
+    for _ in range(20):
         feeder.init_data_input_workers(None, ["id", "x"], Dataset(10**9, sizes=(3, 7)), 8, coordinator=coord)
         coord.start()
         feed = coord.feed("train")

@@ -5,10 +5,10 @@ import threading
 
 import numpy as np
 import pytest
+from utils import wait_until
 
 import feeder
 import feeder.feed
-from utils import wait_until
 
 
 def random_rows_fetcher(seed=0, low=1, high=64, width=3):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from utils import Dataset, check_aligned
 
 import feeder
-from utils import Dataset, check_aligned
 
 
 def consume_all(feed, timeout=20):
@@ -286,9 +286,9 @@ def test_many_consumer_threads_never_see_a_false_ledger_error(consumers):
             c = feeder.GlobalCoordinator()
             register(c, Dataset(300, sizes=(7, 3, 11)), 1, num_worker_threads=2)
             c.start()
-            got, lock = [], threading.Lock()
+            got, lock, feed = [], threading.Lock(), c.feed("train")
 
-            def consume(feed=c.feed("train")):
+            def consume(feed=feed, got=got, lock=lock):
                 for batch in feed:
                     ids = check_aligned(batch)
                     with lock:
@@ -317,7 +317,7 @@ def test_stop_from_another_thread_while_a_consumer_iterates_never_sees_a_false_l
             feed = c.feed("train")
             seen = threading.Event()
 
-            def consume():
+            def consume(feed=feed, seen=seen):
                 try:
                     for _ in feed:
                         seen.set()

@@ -6,9 +6,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from utils import Dataset, check_aligned, wait_until
 
 import feeder
-from utils import Dataset, check_aligned, wait_until
 
 ROW_BYTES = 1024 * 4  # 1024 float32 per row
 CHUNK_ROWS = 64       # 256 KiB per chunk

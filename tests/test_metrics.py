@@ -5,9 +5,9 @@ import logging
 import threading
 
 import numpy as np
+from utils import ListLogger
 
 import feeder
-from utils import ListLogger
 
 
 def test_metrics_are_floats_and_count_what_happened(coord):

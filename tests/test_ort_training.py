@@ -17,8 +17,9 @@ training = pytest.importorskip(
     reason="onnxruntime-training is not installed here: it needs its own environment, which .ci/run "
            "builds (~/.cache/feeder/venv-ort-training-1.19.2) to run these tests")
 
-import feeder  # noqa: E402
 from models import IR_VERSION, OPSET  # noqa: E402
+
+import feeder  # noqa: E402
 
 DIM = 6
 

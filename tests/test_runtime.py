@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import feeder  # noqa: E402
 from models import linear_model, session, two_input_model  # noqa: E402
+
+import feeder  # noqa: E402
 
 
 def counting_fetcher(rows=5, dim=4):

@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
+from models import LOGISTIC_STATE, logistic_eval, logistic_train_step, logistic_zero_state, session  # noqa: E402
+
 import feeder  # noqa: E402
-from models import (LOGISTIC_STATE, logistic_eval, logistic_train_step, logistic_zero_state,  # noqa: E402
-                    session)
 
 DIM = 8
 

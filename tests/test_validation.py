@@ -8,8 +8,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import feeder  # noqa: E402
 from models import linear_model, session, two_input_model  # noqa: E402
+
+import feeder  # noqa: E402
 
 GOOD_A = np.ones((3, 4), np.float32)
 GOOD_K = np.zeros((3, 1), np.int64)
