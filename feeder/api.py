@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -14,6 +14,11 @@ from .feed import Feed, check_batch_size
 from .runtime import input_specs, is_session
 
 log = logging.getLogger("feeder")
+
+# num_worker_threads="auto" takes this many worker ids and runs as many of them as raise
+# throughput (feeder.tuning): I/O-bound fetch functions profit from many threads, and parked
+# ones cost a sleeping thread each.
+AUTO_MAX_THREADS = 8
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -43,7 +48,7 @@ def init_data_input_workers(
     input_names: Optional[Sequence[str]],
     fetch_fun: Callable[[int, int], Any],
     batch_size: int,
-    num_worker_threads: int = 2,
+    num_worker_threads: Union[int, str] = 2,
     input_source_name: str = "train",
     max_buffered_batches: int = 800,
     init_fun: Optional[Callable[[Feed, GlobalCoordinator], Any]] = None,
@@ -87,7 +92,8 @@ def init_data_input_workers(
         raise TypeError(f"init_fun must be callable or None, got {type(init_fun).__name__}")
     if not isinstance(input_source_name, str) or not input_source_name:
         raise TypeError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
-    num_worker_threads = _int("num_worker_threads", num_worker_threads, 1)
+    auto = num_worker_threads == "auto"
+    num_worker_threads = AUTO_MAX_THREADS if auto else _int("num_worker_threads", num_worker_threads, 1)
     max_buffered_batches = _int("max_buffered_batches", max_buffered_batches, 1)
     max_fetch_errors = _int("max_fetch_errors", max_fetch_errors, 0)
     if max_buffered_bytes is not None:
@@ -120,7 +126,7 @@ def init_data_input_workers(
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=queue.validator,
-                    max_fetch_errors=max_fetch_errors)
+                    max_fetch_errors=max_fetch_errors, auto=auto)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,

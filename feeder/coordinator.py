@@ -146,7 +146,10 @@ class GlobalCoordinator:
 
     def _due_reports(self, now: float) -> List[Callable[[], None]]:
         with self._lock:
-            return [f._report for f in self._feeds if f._due_report(now)]
+            feeds = list(self._feeds)
+        for f in feeds:  # the monitor's tick also drives num_worker_threads="auto"
+            f._tune(now)
+        return [f._report for f in feeds if f._due_report(now)]
 
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Stop and remove every feed and queue. True if every thread ended within ``timeout``

@@ -26,6 +26,7 @@ from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .runtime import PreparedBatch, Runner, intra_op_threads
 from .source import CLOSED, EMPTY, END, ChunkQueue
+from .tuning import Throttle, Tuner
 from .workers import SLICE_S, WorkerState, fetch_loop
 
 log = logging.getLogger("feeder")
@@ -60,7 +61,7 @@ class Feed:
                  specs: Sequence[InputSpec], batch_axes: Sequence[int], fetch_fun: Callable[[int, int], Any],
                  batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
-                 log_interval: float, validator: ChunkValidator, max_fetch_errors: int):
+                 log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -77,6 +78,16 @@ class Feed:
         self.last_batch = last_batch
         self.log_interval = float(log_interval)
         self.max_fetch_errors = max_fetch_errors
+        # num_worker_threads="auto": the tuner decides how many of worker_ids run (feeder.tuning).
+        # An ordered source needs every worker in its round-robin, so there all of them run.
+        self._tuner: Optional[Tuner] = None
+        self._throttle: Optional[Throttle] = None
+        if auto and not source.ordered:
+            self._tuner = Tuner(len(self.worker_ids))
+            self._throttle = Throttle(self.worker_ids, self._tuner.current)
+        elif auto:
+            log.info("source %r: ordered=True runs all %d fetchers of num_worker_threads='auto' (a parked worker "
+                     "would stall the round-robin)", source.name, len(self.worker_ids))
         self._specs = list(specs)
         self._validate = validator  # the source's, shared by its replicas
         self._runner = Runner(session, self.input_names) if session is not None else None
@@ -137,7 +148,8 @@ class Feed:
                 target=fetch_loop, name=f"feeder:{name}:fetch-{state.worker_id}", daemon=True,
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
                             validator=self._validate, state=state, batch_size=lambda: self._batch_size,
-                            stop=self._stop, max_fetch_errors=self.max_fetch_errors, coalesce=coalesce))
+                            stop=self._stop, max_fetch_errors=self.max_fetch_errors, coalesce=coalesce,
+                            throttle=self._throttle))
             state.thread = t
         self._enqueuer_thread = threading.Thread(target=self._enqueue_loop, name=f"feeder:{name}:enqueue",
                                                  daemon=True)
@@ -428,6 +440,7 @@ class Feed:
             "rows_dropped": float(self._rows_dropped),
             "consumer_wait_s": c["wait_s"],
             "live_workers": float(len(src.live_workers())),
+            "active_workers": float(self._active_workers()),
             "uptime_s": now - self._meter.start if self._started else 0.0,
             "source_rows_fetched": float(ledger["rows_fetched"]),
             "source_rows_delivered": float(ledger["rows_delivered"]),
@@ -476,12 +489,32 @@ class Feed:
         rate = self._meter.rate(m["rows"])
         m["inputs_per_sec_interval"] = rate
         log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
-                 "%d ready, %d live fetchers", self.input_source_name, " (final)" if final else "", rate,
+                 "%d ready, %d live fetchers, %d active%s", self.input_source_name, " (final)" if final else "", rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
-                 m["live_workers"])
+                 m["live_workers"], m["active_workers"], " (auto)" if self._tuner is not None else "")
         if final and self._started:
             log.info("feeder source %r: %s", self.input_source_name, self.diagnose())
         send_to_external_loggers(self.external_loggers, m, self.input_source_name, feed=self)
+
+    def _active_workers(self) -> int:
+        """This feed's fetchers that may call fetch_fun now (not parked, not ended)."""
+        live = sum(1 for s in self._workers if s.thread is not None and s.thread.is_alive()
+                   and not s.state.startswith(("ended", "failed")))
+        if self._throttle is not None:
+            return min(live, self._throttle.running()) if self._started else self._throttle.running()
+        return live if self._started else len(self._workers)
+
+    def _tune(self, now: float) -> None:
+        """Let the tuner see the last window (called by the coordinator's monitor thread)."""
+        tuner = self._tuner
+        if tuner is None or not self._started or self._stopped or self._ended:
+            return
+        c = self.counters
+        new = tuner.observe(now, c.rows, c.wait_s)
+        if new is not None and self._throttle is not None:
+            self._throttle.set_limit(new)
+            log.debug("source %r: %d fetchers run now (%s)", self.input_source_name, new,
+                      tuner.decisions[-1] if tuner.decisions else "probing")
 
     def _due_report(self, now: float) -> bool:
         if self._started and not self._stopped and now >= self._next_report:

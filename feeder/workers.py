@@ -32,6 +32,7 @@ from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError
 from .rebatcher import BufferRing, Rebatcher
 from .source import CLOSED, Chunk, ChunkQueue
+from .tuning import Throttle
 
 log = logging.getLogger("feeder")
 
@@ -235,10 +236,26 @@ class Coalescer:
         return True
 
 
+def _park(throttle: Throttle, state: WorkerState, co: Optional[Coalescer], stop: threading.Event,
+          source: ChunkQueue) -> bool:
+    """Wait, in short slices, until the throttle lets this fetcher run; its held rows go first
+    (they must not wait on a parked fetcher). False if the source stopped or failed meanwhile."""
+    if co is not None and co.rb.pending_rows and not co.put_pending():
+        return False
+    state.set("parked (auto concurrency)")
+    wid = state.worker_id
+    while not throttle.wait(wid, SLICE_S):
+        if stop.is_set() or source.failure is not None:
+            return False
+    return True
+
+
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
-               stop: threading.Event, max_fetch_errors: int, coalesce: bool) -> None:
-    """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure."""
+               stop: threading.Event, max_fetch_errors: int, coalesce: bool,
+               throttle: Optional[Throttle] = None) -> None:
+    """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
+    ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run."""
     wid = state.worker_id
     co = None
     if coalesce:
@@ -255,6 +272,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             if co is not None and co.held_since and now - co.held_since > COALESCE_HOLD_S:
                 if not co.put_pending():
                     return
+            if throttle is not None and wid not in throttle.active:
+                if not _park(throttle, state, co, stop, source):
+                    return
+                now = monotonic()
             bs = batch_size()
             if state.state is not IN_FETCH:
                 state.state = IN_FETCH
@@ -272,6 +293,8 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                     return
                 state.set("ended (StopIteration)")
                 source.worker_ended(wid)
+                if throttle is not None:
+                    throttle.ended(wid)
                 return
             except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
                 if parked:

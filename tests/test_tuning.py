@@ -1,0 +1,135 @@
+"""num_worker_threads="auto": feeder finds how many fetchers raise throughput (issue 14)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import feeder
+from feeder.tuning import COOLDOWN, Throttle, Tuner
+
+
+def sleeping_fetch(worker_id, batch_size):
+    threading.Event().wait(0.01)  # I/O: more fetchers help
+    return [np.ones((32, 8), np.float32)]
+
+
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def serial_fetch(worker_id, batch_size):
+    """What a GIL-bound fetch is: Python work that only one thread at a time can do (here made
+    strictly so by a lock, as the GIL does only roughly), so a second fetcher cannot help."""
+    with _ONE_AT_A_TIME:
+        s = 0
+        for i in range(3000):
+            s += i % 7
+    return [np.full((8, 8), s, np.float32)]
+
+
+def run_auto(coord, fetch, seconds):
+    feeder.init_data_input_workers(None, ["x"], fetch, 64, num_worker_threads="auto", coordinator=coord,
+                                   timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    assert len(feed.worker_ids) == 8  # as many ids as it may run at most
+    seen = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        feed.next_batch()
+        seen.append(feed._active_workers())
+    return feed, seen
+
+
+def test_auto_settles_on_more_fetchers_for_a_sleeping_fetch(coord):
+    feed, seen = run_auto(coord, sleeping_fetch, 4.0)
+    assert seen[0] == 1 and max(seen) >= 3, feed._tuner.decisions
+    assert feed.metrics()["active_workers"] >= 3
+
+
+def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
+    feed, seen = run_auto(coord, serial_fetch, 4.0)
+    late = seen[len(seen) // 2:]
+    assert sum(late) / len(late) < 2.0, feed._tuner.decisions
+    assert max(seen) <= 3
+
+
+def test_auto_finite_sharded_source_delivers_every_row_once(coord):
+    """Parked workers must still run before the source ends: each serves its own shard."""
+    n, workers = 2000, 8
+    pos = {}
+    lock = threading.Lock()
+
+    def fetch(worker_id, batch_size):
+        with lock:
+            start = pos.setdefault(worker_id, worker_id * 10)
+            if start >= n:
+                raise StopIteration
+            pos[worker_id] = start + workers * 10
+        ids = np.arange(start, min(start + 10, n))
+        return [ids]
+
+    feeder.init_data_input_workers(None, ["id"], fetch, 64, num_worker_threads="auto", coordinator=coord,
+                                   timeout=10)
+    coord.start()
+    got = np.concatenate([b["id"] for b in coord.feed("train")])
+    assert sorted(got.tolist()) == list(range(n))
+
+
+def test_fixed_counts_keep_their_meaning_and_report_active_workers(coord):
+    feeder.init_data_input_workers(None, ["x"], sleeping_fetch, 64, num_worker_threads=3, coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    feed.next_batch(timeout=10)
+    assert feed.metrics()["active_workers"] == 3 and feed._tuner is None
+
+
+def test_auto_is_the_only_string_accepted(coord):
+    with pytest.raises(TypeError, match="num_worker_threads"):
+        feeder.init_data_input_workers(None, ["x"], sleeping_fetch, 64, num_worker_threads="many",
+                                       coordinator=coord)
+
+
+def drive(tuner, rate_of, waiting=1.0, windows=40):
+    """Run the tuner over simulated windows where throughput depends on the fetcher count."""
+    t, rows, wait = 0.0, 0.0, 0.0
+    tuner.observe(t, rows, wait)
+    history = []
+    for _ in range(windows):
+        t += tuner.window_s
+        rows += rate_of(tuner.current) * tuner.window_s
+        wait += waiting * tuner.window_s
+        tuner.observe(t, rows, wait)
+        history.append(tuner.current)
+    return history
+
+
+def test_tuner_climbs_while_each_fetcher_adds_throughput_and_stops_at_the_knee():
+    tuner = Tuner(8)
+    drive(tuner, lambda k: 1000.0 * min(k, 5))
+    assert tuner.active == 5
+
+
+def test_tuner_stays_at_one_when_a_second_fetcher_hurts():
+    tuner = Tuner(8)
+    history = drive(tuner, lambda k: 1000.0 if k == 1 else 800.0)
+    assert tuner.active == 1
+    # each failed probe doubles the wait before the next: they thin out (2 windows each)
+    assert history[:20].count(2) <= 6 and history[20:].count(2) <= 2, history
+
+
+def test_tuner_gives_fetchers_back_when_the_consumer_stops_waiting():
+    tuner = Tuner(8, start=4)
+    drive(tuner, lambda k: 1000.0, waiting=0.0, windows=8 * COOLDOWN)
+    assert tuner.active == 1
+
+
+def test_throttle_hands_an_ended_workers_place_to_a_parked_one():
+    th = Throttle([0, 1, 2], 1)
+    assert th.active == {0} and not th.wait(1, 0.0)
+    th.ended(0)
+    assert th.active == {1} and th.wait(1, 0.0)
+    th.set_limit(5)
+    assert th.active == {1, 2}
