@@ -387,6 +387,7 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
                 ms = [f.metrics() for f in feeds]
                 stats["consumer_wait_s"] = sum(m["consumer_wait_s"] for m in ms)
                 stats["batches"] = sum(m["batches"] for m in ms)
+                stats["diagnosis"] = feeds[0].diagnose()  # where the time went, for the first replica
         if errors:
             raise errors[0]
     missing = [p for p, label in zip(job.paths, job.labels) if label is None]
@@ -517,6 +518,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"{stats['files']:,} files ({stats['model_rows']:,} scored by the model) in {secs:.2f} s: "
           f"{stats['files'] / secs:,.0f} files/s; consumers waited {stats.get('consumer_wait_s', 0.0):.2f} s "
           f"for data over {stats.get('batches', 0):.0f} batches")
+    if stats.get("diagnosis"):
+        print(f"replica 0: {stats['diagnosis']}")
     if args.compare_magika:
         compare_with_magika(paths, labels)
 
