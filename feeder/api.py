@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -64,6 +64,7 @@ def init_data_input_workers(
     cast: bool = False,
     max_fetch_errors: int = 0,
     max_buffered_bytes: Optional[int] = None,
+    resume_from: Optional[Dict[str, Any]] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -78,7 +79,9 @@ def init_data_input_workers(
     ``max_buffered_bytes`` in bytes. ``ordered=True`` builds batches from chunks in a fixed
     round-robin of worker ids (deterministic); ``cast=True`` converts safe dtype mismatches
     (e.g. float64 to a float32 input) in the fetcher thread; ``max_fetch_errors`` fetch
-    exceptions are logged and skipped before the source fails.
+    exceptions are logged and skipped before the source fails. ``resume_from`` (a state from
+    ``coord.state_dict(name)``, the same for every registration of the source) makes a source
+    continue after the rows that state says were delivered (see ``feeder.sources``).
 
     Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
     arguments raise TypeError or ValueError here, naming the argument.
@@ -104,6 +107,9 @@ def init_data_input_workers(
     if last_batch not in ("keep", "drop"):
         raise ValueError(f"last_batch must be 'keep' or 'drop', got {last_batch!r}")
     loggers = _loggers(external_loggers)
+    if resume_from is not None and not isinstance(resume_from, dict):
+        raise TypeError(f"resume_from must be a dict from coord.state_dict(name) or None, "
+                        f"got {type(resume_from).__name__}")
 
     if session is not None and not is_session(session):
         raise TypeError(f"session must be an onnxruntime.InferenceSession, a training session adapter or None, "
@@ -121,12 +127,20 @@ def init_data_input_workers(
                  "batch will be dropped (last_batch='drop')", input_source_name, fixed)
         last_batch = "drop"
 
+    validate = getattr(fetch_fun, "feeder_validate", None)
+    if validate is not None:  # e.g. a column the source does not have, a state of another source
+        validate(tuple(names), resume_from)
+    for other in coord.feeds(input_source_name):
+        if other.fetch_fun is fetch_fun and other.resume_from != resume_from:
+            raise ValueError(f"source {input_source_name!r}: every registration of a source must pass the same "
+                             f"resume_from")
+
     def make_feed(queue, worker_ids):
         return Feed(coordinator=coord, source=queue, session=session, input_names=names, specs=specs,
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=queue.validator,
-                    max_fetch_errors=max_fetch_errors, auto=auto)
+                    max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,

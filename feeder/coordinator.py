@@ -21,6 +21,7 @@ from .errors import FeederError
 from .feed import Feed
 from .metrics import Monitor
 from .source import ChunkQueue
+from .sources.base import bind_sources, release_sources
 
 log = logging.getLogger("feeder")
 
@@ -118,6 +119,8 @@ class GlobalCoordinator:
                     feed._run_init()
             finally:
                 self._starting = False
+            # Sources learn who calls them before any of their workers starts (feeder.sources.base).
+            bind_sources(self._feeds, pending)
             for feed in pending:
                 feed._start_threads()
             if self._monitor is None and self._feeds:
@@ -188,6 +191,7 @@ class GlobalCoordinator:
                     feed._check_ledger("stop")
             for q in queues:
                 q.check_ledger("stop")
+        release_sources(feeds)
         for name, (chunks, rows) in discarded.items():
             if rows:
                 log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)

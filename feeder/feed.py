@@ -26,6 +26,7 @@ from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .runtime import PreparedBatch, Runner, intra_op_threads
 from .source import CLOSED, EMPTY, END, ChunkQueue
+from .sources.base import describe_source
 from .tuning import Throttle, Tuner
 from .workers import SLICE_S, WorkerState, fetch_loop
 
@@ -61,7 +62,8 @@ class Feed:
                  specs: Sequence[InputSpec], batch_axes: Sequence[int], fetch_fun: Callable[[int, int], Any],
                  batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
-                 log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False):
+                 log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
+                 resume_from: Optional[Dict[str, Any]] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -71,6 +73,7 @@ class Feed:
         self._batch_size = int(batch_size)
         self._axes = tuple(batch_axes)
         self._fetch_fun = fetch_fun
+        self.resume_from = resume_from  # handed to the source's feeder_bind (feeder.sources.base)
         self.init_fun = init_fun
         self.external_loggers = list(external_loggers)
         self.dont_rebatch = dont_rebatch
@@ -122,6 +125,11 @@ class Feed:
     def batch_size(self) -> int:
         """Rows per batch (what ``fetch_fun`` is told; changed by ``reset_data_input``)."""
         return self._batch_size
+
+    @property
+    def fetch_fun(self) -> Callable[[int, int], Any]:
+        """The fetch function (or source object) this registration calls."""
+        return self._fetch_fun
 
     def __repr__(self) -> str:
         return (f"Feed(source={self.input_source_name!r}, inputs={self.input_names}, batch_size={self._batch_size}, "
@@ -404,6 +412,9 @@ class Feed:
     def _diagnose(self, waited: float) -> str:
         now = time.monotonic()
         lines = [f"source {self.input_source_name!r}: no batch within {waited:.2f} s: {self._status_line()}"]
+        what = describe_source(self._fetch_fun)
+        if what:
+            lines.append(f"  fetch_fun: {what}")
         for state in self._workers:
             lines.append("  " + state.describe(now, stack_after_s=min(1.0, waited / 2)))
         enq = self._enqueuer_thread
@@ -482,7 +493,9 @@ class Feed:
     def diagnose(self) -> str:
         """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),
         by how much, what to change, and the figures behind it (cumulative since start)."""
-        return verdict(self.stage_times())
+        text = verdict(self.stage_times())
+        what = describe_source(self._fetch_fun)
+        return f"{text}\nSource: {what}." if what else text
 
     def _report(self, final: bool = False) -> None:
         m = self.metrics()
