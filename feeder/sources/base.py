@@ -243,9 +243,9 @@ class ShardedSource:
         epoch = 0
         # every epoch covered by one range from its first key to its last is done
         while True:
-            i = np.searchsorted(stops, epoch * n, side="right")
-            if i < len(starts) and starts[i] <= epoch * n and stops[i] >= (epoch + 1) * n:
-                epoch = int(stops[i] // n)
+            k = int(np.searchsorted(stops, epoch * n, side="right"))
+            if k < len(starts) and starts[k] <= epoch * n and stops[k] >= (epoch + 1) * n:
+                epoch = int(stops[k] // n)
                 continue
             break
         self._first_epoch = epoch
