@@ -166,9 +166,9 @@ class ShardedSource:
         self._lock = threading.Lock()
 
     # ---- to be provided by subclasses ----
-    def _read(self, unit: int, rows: np.ndarray) -> List[np.ndarray]:
+    def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         """The arrays (one per input, in input order) of ``rows`` (indices within ``unit``, in the
-        order to return them)."""
+        order to return them), read for worker ``worker_id`` (in that worker's thread)."""
         raise NotImplementedError
 
     def _definition(self) -> Dict[str, Any]:
@@ -215,6 +215,10 @@ class ShardedSource:
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         if resume is not None:
             check_state(resume, self._definition())
+
+    def feeder_definition(self) -> Dict[str, Any]:
+        """What a checkpoint of this source records about it, to refuse a state of another source."""
+        return self._definition()
 
     def feeder_bind(self, binding: SourceBinding) -> None:
         with self._lock:
@@ -303,7 +307,7 @@ class ShardedSource:
         unit, rows = self._entry(epoch, pos)
         if rows is None:
             rows = self._row_order(epoch, unit)
-        arrays = self._read(unit, rows)
+        arrays = self._read(unit, rows, worker_id)
         keys = rows.astype(np.int64) + (epoch * self.rows + int(self._offsets[unit]))
         arrays.append(keys)
         return arrays
