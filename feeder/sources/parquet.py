@@ -168,7 +168,7 @@ def _convert(pa: Any, arr: Any, where: str) -> np.ndarray:
         raise InputValidationError(f"{where} has {arr.null_count} null value(s); feeder inputs cannot hold nulls "
                                    f"(fill or filter them before feeding)")
     t = arr.type
-    if isinstance(t, pa.ExtensionType):
+    if isinstance(t, pa.BaseExtensionType):
         if isinstance(t, pa.FixedShapeTensorType):
             return np.asarray(arr.to_numpy_ndarray())
         return _convert(pa, arr.storage, where)
