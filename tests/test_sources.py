@@ -326,3 +326,68 @@ def test_a_source_is_picklable_once_bound_and_shards_by_worker_id():
             got.append((wid, x.tolist(), keys.tolist()))
     assert got == [(0, [0, 1], [0, 1]), (0, [4, 5], [4, 5]), (0, [8, 9], [8, 9]),
                    (1, [2, 3], [2, 3]), (1, [6, 7], [6, 7])]
+
+
+KILLED_TRAINER = r'''
+import json, os, sys, time
+import numpy as np
+import feeder
+from feeder.sources import ArraySource
+
+out_dir, resume = sys.argv[1], sys.argv[2] == "resume"
+n = 20000
+src = ArraySource({"x": np.arange(n)}, shuffle=True, seed=7, block_rows=100)
+state = None
+if resume:
+    with open(os.path.join(out_dir, "ckpt.json")) as f:
+        state = json.load(f)["source"]
+coord = feeder.GlobalCoordinator()
+feeder.init_data_input_workers(None, ["x"], src, 32, num_worker_threads=3, coordinator=coord, resume_from=state)
+coord.start()
+log = open(os.path.join(out_dir, "resumed.log" if resume else "first.log"), "a")
+written = 0
+for step, batch in enumerate(coord.feed("train"), 1):
+    rows = batch["x"].tolist()
+    log.write("".join(f"{r}\n" for r in rows))
+    written += len(rows)
+    if step % 10 == 0:  # checkpoint: the source's state and how much of the log it covers
+        log.flush()
+        tmp = os.path.join(out_dir, "ckpt.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"source": coord.state_dict("train"), "logged": written}, f)
+        os.replace(tmp, os.path.join(out_dir, "ckpt.json"))
+    if not resume:
+        time.sleep(0.001)
+log.close()
+coord.stop()
+'''
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_from_its_last_checkpoint_with_every_row_accounted_for(tmp_path):
+    import os
+    import signal
+    import time
+    script = tmp_path / "trainer.py"
+    script.write_text(KILLED_TRAINER)
+    first = subprocess.Popen([sys.executable, str(script), str(tmp_path), "first"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ckpt = tmp_path / "ckpt.json"
+            if ckpt.exists() and json.loads(ckpt.read_text())["logged"] >= 3200:
+                break
+            assert first.poll() is None, "the first trainer ended before it was killed"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.wait(10)
+    assert first.returncode == -signal.SIGKILL
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    second = subprocess.run([sys.executable, str(script), str(tmp_path), "resume"], timeout=120)
+    assert second.returncode == 0
+    logged = (tmp_path / "first.log").read_text().split()
+    assert len(logged) >= ckpt["logged"]  # it went on after its last checkpoint: those rows come again
+    before = [int(r) for r in logged[:ckpt["logged"]]]
+    after = [int(r) for r in (tmp_path / "resumed.log").read_text().split()]
+    assert sorted(before + after) == list(range(20000))
