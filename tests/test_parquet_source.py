@@ -185,3 +185,19 @@ def test_numeric_and_fixed_size_list_columns_are_not_copied(files):
     assert not score.flags.owndata and not score.flags.writeable  # a view of Arrow's buffer
     assert not img.flags.owndata and img.shape == (17, 2, 3)
     assert name.dtype.kind == "U" and keys.tolist() == list(range(17))
+
+
+@pytest.mark.skipif("num_worker_processes" not in __import__("inspect").signature(
+    feeder.init_data_input_workers).parameters, reason="worker processes (issue 10) are not on this branch")
+def test_parquet_source_in_worker_processes(files):
+    src = ParquetSource(files, shuffle=True, epochs=2)
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        feeder.init_data_input_workers(None, ["id", "name", "img"], src, 16, num_worker_processes=2, coordinator=coord)
+        coord.start()
+        got = list(coord.feed("train"))
+    finally:
+        coord.stop()
+    ids = np.concatenate([b["id"] for b in got])
+    assert Counter(ids.tolist()) == Counter({i: 2 for i in range(175)})
+    assert all(b["name"].tolist() == [f"row{i}" for i in b["id"]] for b in got)

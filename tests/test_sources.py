@@ -391,3 +391,22 @@ def test_a_killed_trainer_resumes_from_its_last_checkpoint_with_every_row_accoun
     before = [int(r) for r in logged[:ckpt["logged"]]]
     after = [int(r) for r in (tmp_path / "resumed.log").read_text().split()]
     assert sorted(before + after) == list(range(20000))
+
+
+HAS_PROCESSES = "num_worker_processes" in __import__("inspect").signature(feeder.init_data_input_workers).parameters
+
+
+@pytest.mark.skipif(not HAS_PROCESSES, reason="worker processes (issue 10) are not on this branch")
+@pytest.mark.parametrize("ordered,replicas", [(True, 1), (False, 2)])
+def test_worker_processes_shard_checkpoint_and_resume_exactly(ordered, replicas):
+    def make():
+        return ArraySource({"x": np.arange(500)}, shuffle=True, seed=3, epochs=2, block_rows=16)
+
+    every = Counter({r: 2 for r in range(500)})
+    full, _ = run_source(make(), procs=3, replicas=replicas, ordered=ordered, batch_size=10)
+    assert Counter(rows_of(full)) == every
+    before, state = run_source(make(), procs=3, replicas=replicas, ordered=ordered, batch_size=10, take=37)
+    after, _ = run_source(make(), procs=2, replicas=replicas, ordered=ordered, batch_size=10, resume=state)
+    assert Counter(rows_of(before + after)) == every
+    if ordered:
+        assert [b.tolist() for b in before + after] == [b.tolist() for b in full]
