@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -20,7 +21,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -39,10 +40,11 @@ class PoolFetch:
     after ``sleep_s`` seconds of I/O-like waiting."""
 
     def __init__(self, row_shape, min_rows: int, max_rows: int, sleep_s: float = 0.0, pool_rows: int = 4096,
-                 cpu_s: float = 0.0):
+                 cpu_s: float = 0.0, copy: bool = False):
         rng = np.random.default_rng(0)
         self.pool = rng.standard_normal((pool_rows,) + tuple(row_shape), dtype=np.float32)
         self.min_rows, self.max_rows, self.sleep_s, self.cpu_s = min_rows, max_rows, sleep_s, cpu_s
+        self.copy = copy  # a fresh array per chunk, as a real fetch (decode, read) makes
         self.rows_per_fetch = (min_rows + max_rows) / 2
 
     def __call__(self, worker_id: int, batch_size: int):
@@ -54,7 +56,8 @@ class PoolFetch:
             end = time.perf_counter() + self.cpu_s
             while time.perf_counter() < end:
                 pass
-        return [self.pool[start:start + n]]
+        rows = self.pool[start:start + n]
+        return [rows.copy() if self.copy else rows]
 
 
 def mlp_model(in_dim: int, hidden: int, out_dim: int) -> bytes:
@@ -98,6 +101,8 @@ class Scenario:
     model: Optional[bytes] = None
     threads: str = "1"  # the session's intra-op threading, see make_session
     targets: Dict[str, float] = field(default_factory=dict)  # peer -> minimum feeder/peer ratio
+    warmup_s: float = 0.5  # seconds before measuring: steady state, threads started, queues full, tuner settled
+    sweep: bool = False  # a concurrency sweep (issue 14): 1, 2, 3 and "auto" fetcher threads, and the serial loop
 
     @property
     def row_bytes(self) -> int:
@@ -129,7 +134,20 @@ def scenarios() -> List[Scenario]:
                  PoolFetch((256,), 64, 64, cpu_s=0.001), 256, model=mlp, threads="default"),
         Scenario("e-nospin", "as e-1, intra-op pool of 2 with spinning off",
                  PoolFetch((256,), 64, 64, cpu_s=0.001), 256, model=mlp, threads="nospin"),
+        # Concurrency sweeps (issue 14): the fetch functions copy, as real ones allocate fresh arrays.
+        Scenario("s-tiny", "tiny chunks: 1-8 rows of 256 float32 (copied), batch 256, no model",
+                 PoolFetch((256,), 1, 8, copy=True), 256, warmup_s=2.0, sweep=True),
+        Scenario("s-large", "large chunks: 64 rows of 3x64x64 float32 (copied, 3 MB), batch 128, no model",
+                 PoolFetch((3, 64, 64), 64, 64, pool_rows=1024, copy=True), 128, warmup_s=2.0, sweep=True),
+        Scenario("s-io", "I/O-bound: 4 ms sleep per 32-row chunk of 256 float32, MLP, batch 256",
+                 PoolFetch((256,), 32, 32, sleep_s=0.004, copy=True), 256, model=mlp, warmup_s=2.0, sweep=True),
+        Scenario("s-cpu", "CPU-heavy: 1 ms of Python per 64 rows of 256 float32, MLP (1 intra-op thread), batch 256",
+                 PoolFetch((256,), 64, 64, cpu_s=0.001, copy=True), 256, model=mlp, warmup_s=2.0, sweep=True),
     ]
+
+
+SWEEP = ["1", "2", "3", "auto"]  # fetcher threads in a sweep
+SWEEP_GOALS = {"auto / best fixed": 0.95, "2 / 1 fetchers": 0.95}
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -167,23 +185,24 @@ def consumer(sc: Scenario, session) -> Callable:
     return run
 
 
-def peer_feeder(sc: Scenario, seconds: float) -> float:
+def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = None) -> float:
     session = make_session(sc.model, sc.threads) if sc.model else None
     coord = feeder.GlobalCoordinator()
-    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, num_worker_threads=sc.workers,
+    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size,
+                                   num_worker_threads=sc.workers if workers is None else workers,
                                    coordinator=coord, timeout=60)
     with coord:
         feed = coord.feed("train")
         if session is None:
             batches = iter(lambda: feed.next_batch(), None)
-            return timed(batches, seconds, lambda b: len(b["x"]))
+            return timed(batches, seconds, lambda b: len(b["x"]), warmup_s=sc.warmup_s)
         bs = sc.batch_size
-        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs)
+        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
 
 
 def peer_serial(sc: Scenario, seconds: float) -> float:
     session = make_session(sc.model, sc.threads) if sc.model else None
-    return timed(serial_batches(sc.fetch, sc.batch_size), seconds, consumer(sc, session))
+    return timed(serial_batches(sc.fetch, sc.batch_size), seconds, consumer(sc, session), warmup_s=sc.warmup_s)
 
 
 def peer_seed(sc: Scenario, seconds: float) -> float:
@@ -230,6 +249,7 @@ def limit_model(sc: Scenario, seconds: float) -> float:
 
 PEERS = {"feeder": peer_feeder, "serial": peer_serial, "seed": peer_seed, "torch": peer_torch}
 DEFAULT_SCENARIOS = ["a", "b", "c", "d", "d-spin"]
+SWEEP_SCENARIOS = ["s-tiny", "s-large", "s-io", "s-cpu"]
 
 
 # ---- the real workload: Magika's content-type model over the standard library -------------------
@@ -297,12 +317,18 @@ def run(args) -> dict:
         print("torch is not installed: the DataLoader peer is skipped (pip install torch==2.13.0)", file=sys.stderr)
     results = {}
     for sc in scenarios():
-        if sc.key not in (args.scenarios or DEFAULT_SCENARIOS):
+        wanted = args.scenarios or DEFAULT_SCENARIOS + (SWEEP_SCENARIOS if args.sweep else [])
+        if sc.key not in wanted:
             continue
         # Repeats are interleaved (every peer once, then again), so that a burst of noise from the
         # machine hits all peers alike; the best of each peer's runs is kept.
-        runners = [(name, fn) for name, fn in PEERS.items()
-                   if not (name == "torch" and not have_torch) and not (args.peers and name not in args.peers)]
+        if sc.sweep:
+            runners = [(f"{w} thr", functools.partial(peer_feeder, workers=w if w == "auto" else int(w)))
+                       for w in SWEEP]
+            runners.append(("serial", peer_serial))
+        else:
+            runners = [(name, fn) for name, fn in PEERS.items()
+                       if not (name == "torch" and not have_torch) and not (args.peers and name not in args.peers)]
         runners.append(("memcpy", limit_memcpy) if sc.model is None else ("model alone", limit_model))
         r: Dict[str, float] = {}
         for _ in range(args.repeat):
@@ -312,6 +338,9 @@ def run(args) -> dict:
             print(f"  {sc.key:7s} {name:14s} {v:14,.0f} rows/s", file=sys.stderr, flush=True)
         if sc.fetch_capacity():
             r["fetch capacity"] = sc.fetch_capacity()
+        if sc.sweep:
+            results[sc.key] = sweep_result(sc, r)
+            continue
         ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v and "feeder" in r}
         checks = {peer: {"ratio": ratios[peer], "target": t, "met": ratios[peer] >= t}
                   for peer, t in sc.targets.items() if peer in ratios}
@@ -320,11 +349,42 @@ def run(args) -> dict:
     return results
 
 
+def sweep_result(sc: Scenario, r: Dict[str, float]) -> dict:
+    fixed = {w: r[f"{w} thr"] for w in SWEEP if w != "auto"}
+    best = max(fixed, key=lambda w: fixed[w])
+    ratios = {"auto / best fixed": r["auto thr"] / fixed[best], "2 / 1 fetchers": fixed["2"] / fixed["1"],
+              "best threads / serial": fixed[best] / r["serial"], "auto / serial": r["auto thr"] / r["serial"]}
+    goals = dict(SWEEP_GOALS)
+    if sc.key == "s-large":
+        goals["best threads / serial"] = 0.8
+    checks = {k: {"ratio": ratios[k], "target": t, "met": ratios[k] >= t} for k, t in goals.items()}
+    return {"title": sc.title, "rows_per_s": r, "best_fixed": best, "ratios": ratios, "targets": checks,
+            "batch_bytes": sc.batch_size * sc.row_bytes, "sweep": True}
+
+
+def sweep_table(results: dict) -> str:
+    cols = [f"{w} thr" for w in SWEEP] + ["serial"]
+    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | ratios | goals |",
+             "|---" * (len(cols) + 3) + "|"]
+    for key, res in results.items():
+        if not res.get("sweep"):
+            continue
+        r = res["rows_per_s"]
+        cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items())
+        goals = ", ".join(f"{k} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
+                          for k, c in res["targets"].items())
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {goals} |")
+    return "\n".join(lines)
+
+
 def table(results: dict) -> str:
     cols = ["feeder", "serial", "seed", "torch", "memcpy", "model alone", "fetch capacity"]
     lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | feeder / peer | targets |",
              "|---" * (len(cols) + 3) + "|"]
     for key, res in results.items():
+        if res.get("sweep"):
+            continue
         r = res["rows_per_s"]
         cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
         ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res["feeder_over"].items())
@@ -336,7 +396,10 @@ def table(results: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", nargs="*", help="subset of: a b c d d-spin e-1 e-spin e-nospin")
+    p.add_argument("--scenarios", nargs="*",
+                   help="subset of: a b c d d-spin e-1 e-spin e-nospin " + " ".join(SWEEP_SCENARIOS))
+    p.add_argument("--sweep", action="store_true",
+                   help="also run the concurrency sweeps (1, 2, 3, auto fetcher threads): " + " ".join(SWEEP_SCENARIOS))
     p.add_argument("--peers", nargs="*", help="subset of: feeder serial seed torch (limits always run)")
     p.add_argument("--seconds", type=float, default=1.5, help="measuring time per peer and repeat")
     p.add_argument("--repeat", type=int, default=3, help="runs per peer, interleaved; the best is kept")
@@ -369,6 +432,9 @@ def main() -> int:
         print(f"{key}: {res['title']}")
     print()
     print(table(results))
+    if any(res.get("sweep") for res in results.values()):
+        print("\nconcurrency sweeps (issue 14):\n")
+        print(sweep_table(results))
     if real:
         print(f"\nreal workload, Magika's model over {real['files']:.0f} standard-library files "
               f"({real['model rows']:.0f} through the model), {real['replicas']:.0f} replica(s):")

@@ -45,6 +45,13 @@ EMPTY = _Marker("EMPTY")    # nothing arrived within the timeout
 END = _Marker("END")        # the source is finite and fully drained
 CLOSED = _Marker("CLOSED")  # the queue was closed by stop()
 
+# Without max_buffered_bytes the queue still stops taking chunks once it holds this many bytes
+# (a chunk always goes in when the queue is empty). Buffering past the last-level cache buys
+# nothing and costs: two fetchers of 3 MB chunks filled the 800-chunk queue with 915 MB, every
+# chunk was evicted before the enqueuer copied it and its pages were faulted in afresh, and
+# feeding ran at 0.55x of one fetcher (benchmarks/README.md, "Why more fetchers were slower").
+DEFAULT_QUEUE_BYTES = 64 << 20
+
 
 class Chunk:
     """One validated chunk in flight: arrays in input order, their row count and bytes.
@@ -102,6 +109,7 @@ class ChunkQueue:
         self.rows_discarded = 0  # rows thrown away by stop(): queued, held by feeds or by fetchers
         self.queued_rows = 0
         self.queued_chunks = 0
+        self.queued_bytes = 0
         self.max_bytes_seen = 0
         self._rows_delivered = 0  # delivered outside any registered feed (see delivered())
         self._bytes_in = 0        # bytes put, ...
@@ -154,6 +162,7 @@ class ChunkQueue:
                 self._not_empty.notify()
             self.queued_chunks += chunk.slots
             self.queued_rows += chunk.rows
+            self.queued_bytes += chunk.nbytes
             self.rows_fetched += chunk.rows
             self._bytes_in += chunk.nbytes
             if self.max_bytes is not None:
@@ -175,6 +184,10 @@ class ChunkQueue:
                 if self.ordered:
                     return chunk.worker_id == self._turn() and not self._per_worker[chunk.worker_id]
                 return not self._items
+        elif self.queued_bytes and self.queued_bytes + chunk.nbytes > DEFAULT_QUEUE_BYTES:
+            # The default working-set bound; the chunk whose turn it is always has room.
+            if not (self.ordered and chunk.worker_id == self._turn() and not self._per_worker[chunk.worker_id]):
+                return False
         if self.ordered:
             fits = self.queued_chunks + chunk.slots <= self.maxsize
             turn = self._turn()
@@ -248,6 +261,7 @@ class ChunkQueue:
                     if isinstance(item, Chunk):
                         self.queued_chunks -= item.slots
                         self.queued_rows -= item.rows
+                        self.queued_bytes -= item.nbytes
                         if self.ordered:
                             self._not_full.notify_all()
                         else:
@@ -380,7 +394,7 @@ class ChunkQueue:
             self._closed = True
             chunks, rows = self.queued_chunks, self.queued_rows
             self.rows_discarded += rows
-            self.queued_chunks = self.queued_rows = 0
+            self.queued_chunks = self.queued_rows = self.queued_bytes = 0
             self._items.clear()
             for q in self._per_worker.values():
                 q.clear()

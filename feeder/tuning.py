@@ -10,7 +10,9 @@ Two pieces:
   ``HOLD`` (fewer fetchers contend less for the GIL, cores and caches). A probe that failed
   is not repeated for a while (``COOLDOWN`` windows, doubling up to ``COOLDOWN_MAX`` each
   time it fails again), so a changed workload (a fetch that became I/O-bound, a consumer
-  that slowed down) is found again without constant churn.
+  that slowed down) is found again without constant churn. A step up that paid off by
+  ``FAST`` or more is followed by the next one at once, so an I/O-bound fetch that needs
+  eight fetchers gets them in seconds, not in tens of windows.
 * :class:`Throttle`: which fetchers may call ``fetch_fun`` now. The first ``limit`` fetchers
   that have not ended run; the others are parked. A fetcher that ends (``StopIteration``)
   hands its place to a parked one, so every worker still runs before a finite source ends
@@ -26,6 +28,7 @@ WINDOW_S = 0.3        # seconds of measurement behind each decision
 GAIN = 1.05           # one more fetcher is kept only if rows/s rise at least this much
 HOLD = 0.97           # one fewer is kept if rows/s stay at least this share
 WAITING = 0.05        # consumers waiting this share of a window are waiting for data
+FAST = 1.25           # a step up that gained this much is followed at once by the next (no steady windows)
 COOLDOWN = 4          # windows before a failed probe in the same direction is tried again ...
 COOLDOWN_MAX = 32     # ... doubling each time it fails, up to this many
 
@@ -87,6 +90,10 @@ class Tuner:
                 self._steady.clear()
                 self._steady.append(rate)
                 self._cool_len[direction] = COOLDOWN
+                if up and rate >= base * FAST and waiting >= WAITING and self.active < self.max_workers:
+                    self._probe = self.active + 1
+                    self._skip = True
+                    return
             else:
                 self._note(f"{self._probe} fetchers did not help ({base:,.0f} -> {rate:,.0f} rows/s); "
                            f"back to {self.active}")

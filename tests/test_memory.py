@@ -109,3 +109,29 @@ def test_byte_bound_below_six_batches_is_hard_when_the_consumer_stops_taking(coo
     threading.Event().wait(0.3)  # give producers time to overshoot, as they used to
     assert feed.source.max_bytes_seen <= bound
     assert feed.metrics()["source_bytes_held"] <= bound
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_without_a_byte_bound_the_queue_stops_at_the_default_working_set(coord, ordered):
+    """max_buffered_batches counts chunks: 800 chunks of 1 MiB would be 800 MiB, past every
+    cache. The queue stops taking chunks at DEFAULT_QUEUE_BYTES (plus the one that crossed it)."""
+    from feeder.source import DEFAULT_QUEUE_BYTES
+
+    chunk = np.ones((64, 4096), np.float32)  # 1 MiB
+
+    def fetch(worker_id, batch_size):
+        return [chunk.copy()]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 64, num_worker_threads=3, coordinator=coord,
+                                   ordered=ordered, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    queue = feed.source
+    wait_until(lambda: queue.queued_bytes >= DEFAULT_QUEUE_BYTES - chunk.nbytes,
+               what="the queue to fill up to the default bound")
+    threading.Event().wait(0.3)  # the fetchers keep trying meanwhile
+    assert queue.queued_bytes <= DEFAULT_QUEUE_BYTES + chunk.nbytes
+    assert queue.qsize() < 800
+    # and it still delivers, in order where asked
+    batches = [feed.next_batch()["x"] for _ in range(100)]
+    assert all(len(b) == 64 for b in batches)
