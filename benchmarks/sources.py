@@ -4,7 +4,8 @@ One zstd-compressed file of at least 200 MB (written once, then reused), two col
 fixed-size list of DIM float32, ``y``: int64), batches of 256 rows, no model. Contenders:
 
 * limit: pyarrow's own ``ParquetFile.iter_batches(256)`` -> numpy loop (its default threading);
-* feeder: ``ParquetSource`` with N fetcher threads (``--threads``), batches from ``next_batch``;
+* feeder: ``ParquetSource`` with N fetcher threads (``--threads``) or worker processes
+  (``--processes``, where feeder has them), batches from ``next_batch``;
 * Ray Data: ``ray.data.read_parquet(...).iter_batches(batch_size=256, batch_format="numpy")``;
 * torch: a ``DataLoader`` (batch 256, 2 workers) over an ``IterableDataset`` yielding the rows
   of the row groups its worker owns (the usual per-sample idiom, default collate).
@@ -17,6 +18,7 @@ rows/s; the table gives feeder / contender. Peers that are not installed are ski
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -76,11 +78,12 @@ def limit_pyarrow(path: str, seconds: float) -> float:
     return timed(batches(), seconds, lambda b: len(b[1]))
 
 
-def run_feeder(path: str, seconds: float, threads: int) -> float:
+def run_feeder(path: str, seconds: float, threads: int, processes: int = 0) -> float:
     from feeder.sources import ParquetSource
     coord = feeder.GlobalCoordinator()
+    kw = {"num_worker_processes": processes} if processes else {}
     feeder.init_data_input_workers(None, ["x", "y"], ParquetSource(path), BATCH, num_worker_threads=threads,
-                                   coordinator=coord, max_buffered_bytes=512 * 2**20)
+                                   coordinator=coord, **kw)
     try:
         coord.start()
         return timed(iter(coord.feed("train")), seconds, lambda b: len(b["y"]))
@@ -118,11 +121,14 @@ def run_torch(path: str, seconds: float) -> float:
     return timed(iter(loader), seconds, lambda b: len(b[1]))
 
 
-def run(path: str, seconds: float, threads: List[int]) -> Dict[str, float]:
+def run(path: str, seconds: float, threads: List[int], processes: List[int]) -> Dict[str, float]:
     r: Dict[str, float] = {}
     r["pyarrow iter_batches (limit)"] = limit_pyarrow(path, seconds)
     for t in threads:
         r[f"feeder ParquetSource, {t} thread(s)"] = run_feeder(path, seconds, t)
+    if "num_worker_processes" in inspect.signature(feeder.init_data_input_workers).parameters:
+        for n in processes:
+            r[f"feeder ParquetSource, {n} process(es)"] = run_feeder(path, seconds, 1, processes=n)
     for name, fn in (("Ray Data read_parquet", run_ray), ("torch DataLoader (2 workers)", run_torch)):
         try:
             r[name] = fn(path, seconds)
@@ -144,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=200, help="size of the Parquet file, MB")
     p.add_argument("--seconds", type=float, default=15.0, help="most seconds each reader runs")
     p.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="feeder fetcher threads to try")
+    p.add_argument("--processes", type=int, nargs="*", default=[2],
+                   help="feeder worker processes to try (where feeder has them)")
     p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "feeder-bench"))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -154,7 +162,7 @@ def main(argv=None) -> int:
         rows = write_file(path, args.mb)
         print(f"wrote {path}: {rows:,} rows, {os.path.getsize(path) / 2**20:.0f} MB in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    r = run(path, args.seconds, args.threads)
+    r = run(path, args.seconds, args.threads, args.processes)
     print(f"{os.path.getsize(path) / 2**20:.0f} MB zstd Parquet, x: {DIM} float32 + y: int64 per row, batch {BATCH}, "
           f"at most {args.seconds:.0f} s per reader, {os.cpu_count()} cores")
     print(report(r))
