@@ -6,6 +6,7 @@ carry over between machines: everything here runs on the same cores at the same 
 
     python benchmarks/compare.py                  # everything, about 3-4 minutes on 2 cores
     python benchmarks/compare.py --scenarios a b  --seconds 1 --repeat 1
+    python benchmarks/compare.py --parquet        # ParquetSource vs pyarrow, Ray Data, torch (sources.py)
 """
 from __future__ import annotations
 
@@ -344,7 +345,12 @@ def main() -> int:
     p.add_argument("--real-replicas", type=int, default=os.cpu_count() or 1,
                    help="feeds scoring in parallel in the real workload (one ORT thread each)")
     p.add_argument("--json", default=os.path.join(HERE, "results", "compare.json"))
+    p.add_argument("--parquet", action="store_true",
+                   help="only the Parquet scenario: ParquetSource vs pyarrow, Ray Data, torch (benchmarks/sources.py)")
     args = p.parse_args()
+    if args.parquet:
+        import sources
+        return sources.main(["--seconds", str(max(args.seconds, 10.0))])
     t0 = time.monotonic()
     results = run(args)
     real = real_workload(args.real_files, args.real_replicas) if args.real_files >= 0 else None

@@ -1,6 +1,13 @@
 """Train and evaluate on one coordinator: "train" feeds a train-step graph, "test" an eval graph.
 
-Run:  python examples/train_and_eval.py [--steps 400] [--batch-size 64]
+Run:  python examples/train_and_eval.py [--steps 400] [--batch-size 64] [--data DIR]
+      python examples/train_and_eval.py --steps 800 --resume      # continue from the last checkpoint
+
+The data are Parquet files (written under --data on the first run): the "train" source is a
+feeder.sources.ParquetSource, shuffled and endless, the "test" source an ArraySource read from
+its own file. Every --checkpoint-every steps the weights (with the optimizer's momenta) and the
+train source's state (coord.state_dict) are saved together, atomically, so --resume continues
+with exactly the batches the interrupted run had not yet trained on.
 
 The model is a one-hidden-layer MLP classifier (tanh, softmax cross-entropy) whose train step,
 gradients written by hand, is an ordinary ONNX graph: inputs are the batch (x, y one-hot) and
@@ -12,7 +19,10 @@ tqdm bar (quiet when stderr is not a terminal); the evaluation lines are printed
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import logging
+import os
 import threading
 import time
 
@@ -24,6 +34,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import feeder
+from feeder.sources import ArraySource, ParquetSource
 
 DIM, HIDDEN, CLASSES = 16, 32, 3
 F = TensorProto.FLOAT
@@ -126,37 +137,86 @@ def session(model: bytes) -> ort.InferenceSession:
     return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
 
 
+def write_data(data_dir: str, train_files: int = 4, rows_per_file: int = 5000) -> None:
+    """The blobs as Parquet: train/part-*.parquet (row groups of 1000 rows) and test.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def table(x: np.ndarray, y: np.ndarray) -> "pa.Table":
+        return pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), DIM),
+                         "y": pa.FixedSizeListArray.from_arrays(pa.array(y.ravel()), CLASSES)})
+
+    os.makedirs(os.path.join(data_dir, "train"), exist_ok=True)
+    blobs = Blobs(seed=1)
+    for i in range(train_files):
+        pq.write_table(table(*blobs.sample(rows_per_file)), os.path.join(data_dir, "train", f"part-{i}.parquet"),
+                       row_group_size=1000, compression="zstd")
+    pq.write_table(table(*Blobs(seed=2).sample(2000)), os.path.join(data_dir, "test.parquet"))
+
+
+def save_checkpoint(path: str, step: int, weights: dict, source_state: dict) -> None:
+    """Weights and source state in one file, replaced atomically: a kill never leaves half of one."""
+    buf = io.BytesIO()
+    np.savez(buf, **weights, __step__=np.int64(step), __source__=np.array(json.dumps(source_state)))
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> tuple:
+    with np.load(path) as z:
+        weights = {k: z[k] for k in z.files if not k.startswith("__")}
+        return int(z["__step__"]), weights, json.loads(str(z["__source__"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=400, help="train until this step")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--data", default="train_and_eval_data", help="folder of the Parquet files and the checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true", help="continue from DATA/checkpoint.npz")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    train = feeder.StatefulSession(session(train_step_model()), STATE, initial_state())
-    evaluate = feeder.StatefulSession(session(eval_model()), {}, {n: v for n, v in initial_state().items()
-                                                                  if not n.startswith("v")})
-    x_test, y_test = Blobs(seed=2).sample(2000)
-    test_chunks = {"next": 0}
+    if not os.path.exists(os.path.join(args.data, "test.parquet")):
+        write_data(args.data)
+        print(f"wrote the data to {args.data}/")
+    ckpt = os.path.join(args.data, "checkpoint.npz")
+    first_step, weights, source_state = 0, initial_state(), None
+    if args.resume:
+        first_step, weights, source_state = load_checkpoint(ckpt)
+        print(f"resumed from step {first_step} ({source_state['rows_delivered']} rows trained on)")
 
-    def test_fetch(worker_id: int, batch_size: int):
-        # one worker, cycling through the test set in order: batch k holds rows k*500 .. k*500+499
-        i = test_chunks["next"]
-        test_chunks["next"] = (i + 250) % len(x_test)
-        return [x_test[i:i + 250]]
+    train = feeder.StatefulSession(session(train_step_model()), STATE, weights)
+    evaluate = feeder.StatefulSession(session(eval_model()), {}, {n: v for n, v in weights.items()
+                                                                  if not n.startswith("v")})
+    import pyarrow.parquet as pq
+    test_table = pq.read_table(os.path.join(args.data, "test.parquet"))
+    x_test = test_table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, DIM)
+    y_test = test_table.column("y").combine_chunks().flatten().to_numpy().reshape(-1, CLASSES)
 
     coord = feeder.GlobalCoordinator()
-    feeder.init_data_input_workers(train, None, Blobs(seed=1).fetch, args.batch_size, num_worker_threads=2,
-                                   input_source_name="train", coordinator=coord, log_interval=0.2)
-    feeder.init_data_input_workers(evaluate, ["x"], test_fetch, 500, num_worker_threads=1, ordered=True,
-                                   max_buffered_batches=8,
+    train_source = ParquetSource(os.path.join(args.data, "train"), shuffle=True, seed=0, epochs=None)
+    feeder.init_data_input_workers(train, None, train_source, args.batch_size, num_worker_threads=2,
+                                   input_source_name="train", coordinator=coord, log_interval=0.2,
+                                   resume_from=source_state)
+    # one ordered worker cycling through the test set: batch k holds rows (k*500 .. k*500+499) % 2000
+    feeder.init_data_input_workers(evaluate, ["x"], ArraySource([x_test], epochs=None, block_rows=250), 500,
+                                   num_worker_threads=1, ordered=True, max_buffered_batches=8,
                                    input_source_name="test", coordinator=coord, log_interval=0.2)
     t0 = time.perf_counter()
     test_batches = 0
     with coord, logging_redirect_tqdm():  # feeder's log lines are printed above the bar, not through it
         train_feed, test_feed = coord.feed("train"), coord.feed("test")
-        for step in tqdm(range(1, args.steps + 1), unit="step", disable=None):
+        for step in tqdm(range(first_step + 1, args.steps + 1), unit="step", disable=None):
             (loss,) = train_feed.run(["loss"])
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                # In the consumer's thread between steps: the state covers exactly the batches trained on.
+                save_checkpoint(ckpt, step, train.state(), coord.state_dict("train"))
             if step % 50 == 0:
                 evaluate.load_state({k: v for k, v in train.state().items() if not k.startswith("v")})
                 correct = 0
@@ -167,7 +227,9 @@ def main() -> None:
                     test_batches += 1
                 tqdm.write(f"step {step:4d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.3f}")
     elapsed = time.perf_counter() - t0
-    print(f"{args.steps} train steps of {args.batch_size} rows in {elapsed:.2f} s: {args.steps / elapsed:,.0f} steps/s")
+    steps = args.steps - first_step
+    print(f"{steps} train steps of {args.batch_size} rows in {elapsed:.2f} s: {steps / max(elapsed, 1e-9):,.0f} "
+          f"steps/s; checkpoint: {ckpt}")
 
 
 if __name__ == "__main__":

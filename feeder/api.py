@@ -11,6 +11,7 @@ import numpy as np
 from .chunks import InputSpec, fixed_batch_inputs
 from .coordinator import GlobalCoordinator, global_coordinator
 from .feed import Feed, check_batch_size
+from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
 
 log = logging.getLogger("feeder")
@@ -127,9 +128,12 @@ def init_data_input_workers(
                  "batch will be dropped (last_batch='drop')", input_source_name, fixed)
         last_batch = "drop"
 
+    keyed = bool(getattr(fetch_fun, "feeder_row_keys", False))
+    if keyed:  # the source appends row keys to every chunk (feeder.rowkeys)
+        names, specs, axes = with_row_keys(names, specs, axes)
     validate = getattr(fetch_fun, "feeder_validate", None)
     if validate is not None:  # e.g. a column the source does not have, a state of another source
-        validate(tuple(names), resume_from)
+        validate(tuple(public_names(names)), resume_from)
     for other in coord.feeds(input_source_name):
         if other.fetch_fun is fetch_fun and other.resume_from != resume_from:
             raise ValueError(f"source {input_source_name!r}: every registration of a source must pass the same "
@@ -144,7 +148,7 @@ def init_data_input_workers(
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,
-                    ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast)
+                    ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from)
     return coord
 
 

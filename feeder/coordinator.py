@@ -14,14 +14,15 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .chunks import ChunkValidator, InputSpec
 from .errors import FeederError
 from .feed import Feed
 from .metrics import Monitor
+from .rowkeys import KeyLedger, source_state
 from .source import ChunkQueue
-from .sources.base import bind_sources, release_sources
+from .sources.base import ROW_KEY, bind_sources, release_sources
 
 log = logging.getLogger("feeder")
 
@@ -55,6 +56,8 @@ class GlobalCoordinator:
         self._monitor: Optional[Monitor] = None
         self._atexit: Optional[Callable[[], None]] = None
         self._starting = False  # inside start(): an init_fun calling start() again is an error
+        # The row keys of stopped sources, so that state_dict(name) works after stop().
+        self._stopped_keys: Dict[str, Tuple[KeyLedger, Any]] = {}
 
     # ---- registration ------------------------------------------------------------------
     def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
@@ -74,14 +77,14 @@ class GlobalCoordinator:
     def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
                   input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
                   max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int],
-                  specs: Sequence[InputSpec], cast: bool) -> Feed:
+                  specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None) -> Feed:
         with self._lock:
             for other in self._feeds:
                 if other.input_source_name != name:
                     continue
                 # Replicas take each other's chunks, so they must agree on what a chunk is.
                 mine = {"inputs": list(input_names), "batch_columns": list(batch_axes), "dont_rebatch": dont_rebatch}
-                theirs = {"inputs": other.input_names, "batch_columns": list(other._axes),
+                theirs = {"inputs": other._all_names, "batch_columns": list(other._axes),
                           "dont_rebatch": other.dont_rebatch}
                 for key in mine:
                     if mine[key] != theirs[key]:
@@ -89,6 +92,9 @@ class GlobalCoordinator:
                                          f"must use the same, got {mine[key]}")
             q = self.get_queue(name, max_buffered_batches)
             q.configure(ordered=ordered, max_bytes=max_bytes)
+            if ROW_KEY in input_names and q.row_keys is None:
+                q.row_keys = KeyLedger.from_state(name, resume_from)
+                self._stopped_keys.pop(name, None)
             # One validator per source: replicas rebatch each other's chunks, so what the source
             # accepts is decided once, from every replica's session and the source's first chunk.
             if q.validator is None:
@@ -193,6 +199,11 @@ class GlobalCoordinator:
                     feed._check_ledger("stop")
             for q in queues:
                 q.check_ledger("stop")
+        with self._lock:
+            for q in queues:
+                mine = [f for f in feeds if f.input_source_name == q.name]
+                if q.row_keys is not None and mine:
+                    self._stopped_keys[q.name] = (q.row_keys, mine[0].fetch_fun)
         for name, (chunks, rows) in discarded.items():
             if rows:
                 log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
@@ -220,6 +231,22 @@ class GlobalCoordinator:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    # ---- checkpoint ------------------------------------------------------------------------
+    def state_dict(self, name: str) -> Dict[str, Any]:
+        """Which rows of source ``name`` were delivered to consumers, as a small JSON-serializable
+        dict; pass it as ``resume_from`` to continue after them. Consistent while consumers run: a
+        batch is in it if and only if a consumer has popped it. Works after ``stop()`` too."""
+        with self._lock:
+            feeds = [f for f in self._feeds if f.input_source_name == name]
+            q = self._queues.get(name)
+            if feeds and q is not None:
+                ledger, fun = q.row_keys, feeds[0].fetch_fun
+            elif name in self._stopped_keys:
+                ledger, fun = self._stopped_keys[name]
+            else:
+                raise KeyError(f"no source {name!r} is registered (nor was one stopped)")
+        return source_state(name, ledger, fun)
 
     # ---- control and lookup --------------------------------------------------------------
     def reset_data_input(self, name: str, batch_size: int) -> None:

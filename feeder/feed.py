@@ -24,6 +24,7 @@ from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
 from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
+from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner, intra_op_threads
 from .source import CLOSED, EMPTY, END, ChunkQueue
 from .sources.base import describe_source
@@ -68,7 +69,11 @@ class Feed:
         self.source = source
         self.session = session
         self.input_source_name: str = source.name
-        self.input_names: List[str] = list(input_names)
+        # input_names may end with the row-key column (feeder.rowkeys): rebatched with the inputs,
+        # stripped from every batch before anyone sees it.
+        self._all_names: List[str] = list(input_names)
+        self.input_names: List[str] = public_names(input_names)
+        self._keyed = len(self._all_names) > len(self.input_names)
         self.worker_ids: List[int] = list(worker_ids)
         self._batch_size = int(batch_size)
         self._axes = tuple(batch_axes)
@@ -97,6 +102,8 @@ class Feed:
 
         self._stop = threading.Event()
         self._ready = ReadyQueue(1)  # sized by the first batch, see ready_depth
+        if self._keyed and source.row_keys is not None:
+            self._ready.on_pop = source.row_keys.record
         self._ring = BufferRing(READY_MAX + 2)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         self._workers = [WorkerState(w) for w in self.worker_ids]
@@ -246,7 +253,13 @@ class Feed:
 
     def _emit(self, arrays: List[np.ndarray], rows: int) -> bool:
         self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
+        keys = None
+        if self._keyed:
+            arrays, keys = split_keys(arrays)
         batch = PreparedBatch(self.input_names, arrays, rows)
+        if keys is not None:
+            batch.keys = keys
+            batch.nbytes += keys.nbytes  # the source counted them in; delivery must count them out
         if self._runner is not None:
             self._runner.prepare(batch)
         self._batches_made += 1

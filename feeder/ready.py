@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, Optional, Tuple
 
 
 class ReadyQueue:
@@ -27,6 +27,9 @@ class ReadyQueue:
         self._not_full = threading.Condition(self._lock)
         self._pushed_rows = 0
         self._pushed_bytes = 0
+        # Called with each popped item under the queue's lock, so what it records (the row keys of
+        # feeder.rowkeys) is recorded exactly when the item counts as delivered. Must not raise.
+        self.on_pop: Optional[Callable[[Any], None]] = None
 
     def put(self, item: Any, timeout: float) -> bool:
         """Append ``item``; False if no room came within ``timeout`` seconds."""
@@ -53,6 +56,8 @@ class ReadyQueue:
                 if not self._items:
                     return None
             item = self._items.popleft()
+            if self.on_pop is not None:
+                self.on_pop(item)
             self._not_full.notify()
             return item
 

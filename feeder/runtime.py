@@ -73,7 +73,7 @@ def output_names(session: Any) -> List[str]:
 class PreparedBatch:
     """A batch ready for the runtime: the numpy arrays and, for IOBinding, their OrtValues."""
 
-    __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes")
+    __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
                  ortvalues: Optional[List[Any]] = None):
@@ -82,6 +82,7 @@ class PreparedBatch:
         self.rows = rows
         self.nbytes = sum(a.nbytes for a in arrays)
         self.ortvalues = ortvalues
+        self.keys: Optional[np.ndarray] = None  # the row keys of a keyed source (feeder.rowkeys)
 
     def as_dict(self) -> Dict[str, np.ndarray]:
         return dict(zip(self.names, self.arrays))

@@ -112,6 +112,7 @@ class ChunkQueue:
         self._flushers: List[Callable[[float], None]] = []  # coalescing fetchers' flush_if_stale
         self._feeds_ended = 0
         self.validator: Optional[Any] = None  # the source's ChunkValidator, set by the first registration
+        self.row_keys: Optional[Any] = None  # the source's feeder.rowkeys.KeyLedger, if its chunks carry keys
 
     # ---- configuration -------------------------------------------------------------
     def configure(self, *, ordered: bool, max_bytes: Optional[int]) -> None:

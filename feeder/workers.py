@@ -307,6 +307,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                     log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
                                 source_name, wid, n, max_fetch_errors, exc_info=e)
                     continue
+                if isinstance(e, InputValidationError):  # a source found bad data (feeder.sources): say so
+                    state.set("failed")
+                    source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
+                    return
                 msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
                 if max_fetch_errors:
                     msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"

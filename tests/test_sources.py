@@ -1,13 +1,18 @@
 """feeder.sources: the binding protocol, ready-made sources, checkpoint and resume."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import feeder
+from feeder.sources import ArraySource
 from feeder.sources.base import ROW_KEY, SourceBinding
 
 
@@ -131,3 +136,283 @@ def test_importing_feeder_or_its_sources_imports_neither_pyarrow_nor_ray():
 def _has_sources_modules():
     import importlib.util
     return importlib.util.find_spec("feeder.sources.arrays") is not None
+
+
+# ---- ready-made sources: sharding, epochs, checkpoint and resume ---------------------------------
+
+
+def run_source(source, *, workers=2, replicas=1, ordered=False, batch_size=8, take=None, resume=None,
+               procs=0, timeout=20.0):
+    """Consume a source with a private coordinator; returns (batches as arrays of x, state).
+    ``take``: stop after this many batches and checkpoint; None: until the source ends."""
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        for _ in range(replicas):
+            kw = dict(num_worker_processes=procs) if procs else {}
+            feeder.init_data_input_workers(None, ["x"], source, batch_size, num_worker_threads=workers,
+                                           coordinator=coord, ordered=ordered, resume_from=resume, **kw)
+        coord.start()
+        feeds = coord.feeds("train")
+        got, live, i = [], list(feeds), 0
+        while live and (take is None or len(got) < take):
+            f = live[i % len(live)]
+            try:
+                got.append(f.next_batch(timeout=timeout)["x"].copy())
+                i += 1
+            except StopIteration:
+                live.remove(f)
+        state = coord.state_dict("train")
+        json.dumps(state)  # JSON-serializable
+        return got, state
+    finally:
+        coord.stop()
+
+
+def rows_of(batches):
+    return [int(v) for b in batches for v in b.reshape(len(b), -1)[:, 0]] if batches else []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 120), block=st.integers(1, 40), bs=st.integers(1, 24), workers=st.integers(1, 4),
+       replicas=st.integers(1, 2), shuffle=st.booleans(), epochs=st.integers(1, 3), ordered=st.booleans(),
+       cut=st.floats(0, 1), resume_workers=st.integers(1, 4), seed=st.integers(0, 3))
+def test_checkpoint_then_resume_delivers_every_row_exactly_once(n, block, bs, workers, replicas, shuffle, epochs,
+                                                                ordered, cut, resume_workers, seed):
+    def make():
+        return ArraySource({"x": np.arange(n, dtype=np.int64)}, shuffle=shuffle, seed=seed, epochs=epochs,
+                           block_rows=block)
+
+    full, full_state = run_source(make(), workers=workers, replicas=replicas, ordered=ordered, batch_size=bs)
+    assert Counter(rows_of(full)) == Counter({r: epochs for r in range(n)})
+    assert full_state["rows_delivered"] == n * epochs
+    take = int(cut * len(full))
+    before, state = run_source(make(), workers=workers, replicas=replicas, ordered=ordered, batch_size=bs, take=take)
+    assert state["rows_delivered"] == sum(len(b) for b in before)
+    # the resumed run may have other workers; an ordered one with one replica keeps the batches too
+    after, end_state = run_source(make(), workers=resume_workers, replicas=replicas, ordered=ordered, batch_size=bs,
+                                  resume=state)
+    assert Counter(rows_of(before + after)) == Counter({r: epochs for r in range(n)})
+    assert end_state["rows_delivered"] == n * epochs
+    if ordered and replicas == 1:
+        assert [b.tolist() for b in before + after] == [b.tolist() for b in full]
+
+
+def test_shuffle_is_reproducible_from_the_seed_and_differs_per_epoch():
+    def order(seed):
+        src = ArraySource({"x": np.arange(200)}, shuffle=True, seed=seed, epochs=2, block_rows=16)
+        return rows_of(run_source(src, workers=3, ordered=True, batch_size=10)[0])
+
+    a, b, c = order(1), order(1), order(2)
+    assert a == b and a != c
+    assert a[:200] != a[200:] and sorted(a[:200]) == list(range(200)) == sorted(a[200:])
+    assert a[:200] != list(range(200))
+
+
+def test_endless_epochs_keep_going_and_resume_in_the_right_epoch():
+    src = ArraySource({"x": np.arange(30)}, epochs=None, block_rows=7)
+    got, state = run_source(src, workers=2, ordered=True, batch_size=8, take=20)  # 160 rows: 5 epochs and 10 rows
+    assert rows_of(got) == [i % 30 for i in range(160)]
+    assert state["delivered"] == [[0, 160]]
+    more, _ = run_source(src, workers=3, ordered=True, batch_size=8, take=5, resume=state)
+    assert rows_of(more) == [i % 30 for i in range(160, 200)]
+
+
+def test_fetched_but_undelivered_rows_come_after_the_resume():
+    src = ArraySource({"x": np.arange(1000)}, block_rows=50)
+    got, state = run_source(src, workers=2, batch_size=10, take=3)
+    assert len(rows_of(got)) == 30 and state["rows_delivered"] == 30
+    rest, _ = run_source(src, workers=2, batch_size=10, resume=state)
+    assert sorted(rows_of(got) + rows_of(rest)) == list(range(1000))
+
+
+def test_state_is_small_and_checkpoint_while_consumers_run_is_consistent(coord):
+    import threading
+
+    def make():
+        return ArraySource({"x": np.arange(20000)}, shuffle=True, seed=5, block_rows=1000)
+
+    src = make()
+    feeder.init_data_input_workers(None, ["x"], src, 32, num_worker_threads=3, coordinator=coord)
+    feeder.init_data_input_workers(None, ["x"], src, 32, num_worker_threads=1, coordinator=coord)
+    coord.start()
+    seen = [[], []]
+    stop = threading.Event()
+
+    def consume(i, f):
+        for b in f:
+            seen[i].append(b["x"].copy())
+            if stop.is_set():
+                return
+
+    threads = [threading.Thread(target=consume, args=(i, f)) for i, f in enumerate(coord.feeds("train"))]
+    for t in threads:
+        t.start()
+    states = [coord.state_dict("train") for _ in range(20)]  # while consumers run
+    stop.set()
+    for t in threads:
+        t.join(10)
+    final = coord.state_dict("train")
+    coord.stop()
+    delivered = rows_of(seen[0]) + rows_of(seen[1])
+    assert final["rows_delivered"] == len(delivered)
+    counts = [s["rows_delivered"] for s in states]
+    assert counts == sorted(counts)
+    # a batch is in the state iff a consumer got it: resuming from it gives exactly the others
+    rest, _ = run_source(make(), workers=2, batch_size=32, resume=final)
+    assert sorted(delivered + rows_of(rest)) == list(range(20000))
+    # shuffled rows, yet a partly delivered unit is a few ranges: keys follow the delivery order
+    assert len(final["delivered"]) <= 2 * 20, final["delivered"]
+
+
+def test_a_state_of_another_source_definition_is_refused_saying_what_differs(coord):
+    src = ArraySource({"x": np.arange(100)}, shuffle=True, seed=1)
+    _, state = run_source(src, take=2)
+    cases = [(ArraySource({"x": np.arange(101)}, shuffle=True, seed=1), "rows"),
+             (ArraySource({"x": np.arange(100)}, shuffle=True, seed=2), "seed"),
+             (ArraySource({"x": np.arange(100)}, seed=1), "shuffle"),
+             (ArraySource({"x": np.arange(100, dtype=np.float32)}, shuffle=True, seed=1), "arrays"),
+             (ArraySource({"x": np.arange(100)[::-1].copy()}, shuffle=True, seed=1), "sample")]
+    for other, what in cases:
+        with pytest.raises(ValueError, match=what):
+            feeder.init_data_input_workers(None, ["x"], other, 8, coordinator=coord, resume_from=state)
+    with pytest.raises(ValueError, match="state_dict"):
+        feeder.init_data_input_workers(None, ["x"], src, 8, coordinator=coord, resume_from={"delivered": []})
+
+
+def test_state_dict_of_a_plain_fetch_function_says_it_cannot_checkpoint(coord):
+    feeder.init_data_input_workers(None, ["x"], Recorder(), 4, coordinator=coord)
+    with pytest.raises(ValueError, match="cannot be checkpointed"):
+        coord.state_dict("train")
+    with pytest.raises(KeyError):
+        coord.state_dict("nope")
+
+
+def test_array_source_inputs_by_name_or_order_and_memory_mapped(tmp_path):
+    x = np.arange(50, dtype=np.float32).reshape(25, 2)
+    np.save(tmp_path / "x.npy", x)
+    mm = np.load(tmp_path / "x.npy", mmap_mode="r")
+    y = np.arange(25)
+    coord = feeder.GlobalCoordinator()
+    try:
+        # dict order differs from the input order: arrays follow the names
+        src = ArraySource({"y": y, "x": mm}, shuffle=True, block_rows=4)
+        feeder.init_data_input_workers(None, ["x", "y"], src, 5, coordinator=coord)
+        coord.start()
+        batches = list(coord.feed("train"))
+        xs = np.concatenate([b["x"] for b in batches])
+        ys = np.concatenate([b["y"] for b in batches])
+        assert ROW_KEY not in batches[0]
+        np.testing.assert_array_equal(xs, x[ys])
+        assert sorted(ys.tolist()) == list(range(25))
+    finally:
+        coord.stop()
+    with pytest.raises(ValueError, match="same number of rows"):
+        ArraySource([x, y[:3]])
+    with pytest.raises(ValueError, match=r"no array for input\(s\) \['z'\]"):
+        feeder.init_data_input_workers(None, ["x", "z"], ArraySource({"x": x, "y": y}), 5,
+                                       coordinator=feeder.GlobalCoordinator())
+    with pytest.raises(ValueError, match="2 arrays for 1 inputs"):
+        feeder.init_data_input_workers(None, ["x"], ArraySource([x, y]), 5, coordinator=feeder.GlobalCoordinator())
+    with pytest.raises(ValueError, match="epochs"):
+        ArraySource([x], epochs=0)
+
+
+def test_a_source_is_picklable_once_bound_and_shards_by_worker_id():
+    import pickle
+    src = ArraySource({"x": np.arange(10)}, block_rows=2)
+    src.feeder_bind(SourceBinding("train", ((0, 1),), ("x",), True, None))
+    copies = [pickle.loads(pickle.dumps(src)) for _ in range(2)]  # one per worker process
+    got = []
+    for wid, c in zip((0, 1), copies):
+        while True:
+            try:
+                x, keys = c(wid, 4)
+            except StopIteration:
+                break
+            got.append((wid, x.tolist(), keys.tolist()))
+    assert got == [(0, [0, 1], [0, 1]), (0, [4, 5], [4, 5]), (0, [8, 9], [8, 9]),
+                   (1, [2, 3], [2, 3]), (1, [6, 7], [6, 7])]
+
+
+KILLED_TRAINER = r'''
+import json, os, sys, time
+import numpy as np
+import feeder
+from feeder.sources import ArraySource
+
+out_dir, resume = sys.argv[1], sys.argv[2] == "resume"
+n = 20000
+src = ArraySource({"x": np.arange(n)}, shuffle=True, seed=7, block_rows=100)
+state = None
+if resume:
+    with open(os.path.join(out_dir, "ckpt.json")) as f:
+        state = json.load(f)["source"]
+coord = feeder.GlobalCoordinator()
+feeder.init_data_input_workers(None, ["x"], src, 32, num_worker_threads=3, coordinator=coord, resume_from=state)
+coord.start()
+log = open(os.path.join(out_dir, "resumed.log" if resume else "first.log"), "a")
+written = 0
+for step, batch in enumerate(coord.feed("train"), 1):
+    rows = batch["x"].tolist()
+    log.write("".join(f"{r}\n" for r in rows))
+    written += len(rows)
+    if step % 10 == 0:  # checkpoint: the source's state and how much of the log it covers
+        log.flush()
+        tmp = os.path.join(out_dir, "ckpt.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"source": coord.state_dict("train"), "logged": written}, f)
+        os.replace(tmp, os.path.join(out_dir, "ckpt.json"))
+    if not resume:
+        time.sleep(0.001)
+log.close()
+coord.stop()
+'''
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_from_its_last_checkpoint_with_every_row_accounted_for(tmp_path):
+    import os
+    import signal
+    import time
+    script = tmp_path / "trainer.py"
+    script.write_text(KILLED_TRAINER)
+    first = subprocess.Popen([sys.executable, str(script), str(tmp_path), "first"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ckpt = tmp_path / "ckpt.json"
+            if ckpt.exists() and json.loads(ckpt.read_text())["logged"] >= 3200:
+                break
+            assert first.poll() is None, "the first trainer ended before it was killed"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.wait(10)
+    assert first.returncode == -signal.SIGKILL
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    second = subprocess.run([sys.executable, str(script), str(tmp_path), "resume"], timeout=120)
+    assert second.returncode == 0
+    logged = (tmp_path / "first.log").read_text().split()
+    assert len(logged) >= ckpt["logged"]  # it went on after its last checkpoint: those rows come again
+    before = [int(r) for r in logged[:ckpt["logged"]]]
+    after = [int(r) for r in (tmp_path / "resumed.log").read_text().split()]
+    assert sorted(before + after) == list(range(20000))
+
+
+HAS_PROCESSES = "num_worker_processes" in __import__("inspect").signature(feeder.init_data_input_workers).parameters
+
+
+@pytest.mark.skipif(not HAS_PROCESSES, reason="worker processes (issue 10) are not on this branch")
+@pytest.mark.parametrize("ordered,replicas", [(True, 1), (False, 2)])
+def test_worker_processes_shard_checkpoint_and_resume_exactly(ordered, replicas):
+    def make():
+        return ArraySource({"x": np.arange(500)}, shuffle=True, seed=3, epochs=2, block_rows=16)
+
+    every = Counter({r: 2 for r in range(500)})
+    full, _ = run_source(make(), procs=3, replicas=replicas, ordered=ordered, batch_size=10)
+    assert Counter(rows_of(full)) == every
+    before, state = run_source(make(), procs=3, replicas=replicas, ordered=ordered, batch_size=10, take=37)
+    after, _ = run_source(make(), procs=2, replicas=replicas, ordered=ordered, batch_size=10, resume=state)
+    assert Counter(rows_of(before + after)) == every
+    if ordered:
+        assert [b.tolist() for b in before + after] == [b.tolist() for b in full]

@@ -140,8 +140,8 @@ class ShardedSource:
     at position ``m % W`` of the binding's sorted worker ids (W workers in all, every replica's),
     which returns it as one chunk (its rows shuffled too). That is exactly the order in which
     ``ordered=True`` takes chunks from workers, so an ordered source's rows come in the
-    sequence's order. Row ``r`` (0-based over the whole table) of epoch ``e`` has the key
-    ``e * rows + r``. Resuming drops the delivered rows from the sequence and deals what is left
+    sequence's order. The row at position ``i`` of its unit's (shuffled) row order, in the unit
+    starting at row ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``. Resuming drops the delivered rows from the sequence and deals what is left
     the same way, so an ordered run continues with exactly the rows it would have delivered.
     """
 
@@ -166,9 +166,9 @@ class ShardedSource:
         self._lock = threading.Lock()
 
     # ---- to be provided by subclasses ----
-    def _read(self, unit: int, rows: np.ndarray) -> List[np.ndarray]:
+    def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         """The arrays (one per input, in input order) of ``rows`` (indices within ``unit``, in the
-        order to return them)."""
+        order to return them), read for worker ``worker_id`` (in that worker's thread)."""
         raise NotImplementedError
 
     def _definition(self) -> Dict[str, Any]:
@@ -205,7 +205,8 @@ class ShardedSource:
         return len(plan) if plan is not None else len(self._units)
 
     def _entry(self, epoch: int, pos: int) -> Tuple[int, Optional[np.ndarray]]:
-        """(unit, rows still to deliver or None for all) at ``pos`` of epoch ``epoch``'s list."""
+        """(unit, positions in the unit's row order still to deliver, or None for all) at ``pos``
+        of epoch ``epoch``'s list."""
         plan = self._resume_plan.get(epoch)
         if plan is not None:
             return plan[pos]
@@ -215,6 +216,10 @@ class ShardedSource:
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         if resume is not None:
             check_state(resume, self._definition())
+
+    def feeder_definition(self) -> Dict[str, Any]:
+        """What a checkpoint of this source records about it, to refuse a state of another source."""
+        return self._definition()
 
     def feeder_bind(self, binding: SourceBinding) -> None:
         with self._lock:
@@ -260,13 +265,13 @@ class ShardedSource:
                 if i >= len(starts) or starts[i] >= hi:
                     plan.append((unit, None))  # nothing of it was delivered
                     continue
-                order = self._row_order(e, unit)
-                keys = lo + order
+                positions = np.arange(int(self._units[unit]), dtype=np.int64)
+                keys = lo + positions
                 j = np.searchsorted(stops, keys, side="right")
                 safe = np.minimum(j, len(starts) - 1)
                 done = (j < len(starts)) & (starts[safe] <= keys)
                 if not done.all():
-                    plan.append((unit, order[~done]))
+                    plan.append((unit, positions[~done]))
             self._resume_plan[e] = plan
 
     # ---- fetching ----
@@ -300,11 +305,17 @@ class ShardedSource:
                 raise StopIteration  # an empty table has nothing in any epoch
         epoch, pos = cur.epoch, cur.pos
         cur.pos += step
-        unit, rows = self._entry(epoch, pos)
-        if rows is None:
-            rows = self._row_order(epoch, unit)
-        arrays = self._read(unit, rows)
-        keys = rows.astype(np.int64) + (epoch * self.rows + int(self._offsets[unit]))
+        unit, positions = self._entry(epoch, pos)
+        order = self._row_order(epoch, unit)
+        if positions is None:
+            positions, rows = np.arange(len(order), dtype=np.int64), order
+        else:
+            rows = order[positions]
+        arrays = self._read(unit, rows, worker_id)
+        # A key numbers a row by its place in its unit's (shuffled) order, not by its row index:
+        # rows are delivered in that order, so what a consumer got of a unit is a few key ranges
+        # (not one range per row, as shuffled row indices would give) and a state stays small.
+        keys = positions + (epoch * self.rows + int(self._offsets[unit]))
         arrays.append(keys)
         return arrays
 

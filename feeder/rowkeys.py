@@ -1,0 +1,136 @@
+"""Row keys: which rows of a source were delivered, kept small enough to checkpoint.
+
+A source that supports exact resume (``feeder_row_keys = True``, see ``feeder.sources.base``)
+appends an int64 column of unique row keys, the reserved input ``ROW_KEY``, as the last array
+of every chunk. It travels with the inputs through validation, the queue and the rebatcher, so
+every batch carries the keys of exactly its rows; the feed strips it before anyone sees the
+batch (:func:`split_keys`), and the feed's ready queue hands each batch it pops to
+:meth:`KeyLedger.record` under the same lock as the pop. So a batch counts as delivered if and
+only if its keys are recorded, whichever thread asks (``coord.state_dict(name)``).
+
+The ledger keeps the keys as sorted disjoint ``[start, stop)`` ranges: sources number rows so
+that whole units of work and whole epochs are single ranges, and a state stays a few numbers
+per unit at most.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .chunks import InputSpec
+from .sources.base import ROW_KEY, STATE_FORMAT, ranges_of
+
+log = logging.getLogger("feeder")
+
+COMPACT_KEYS = 1 << 16  # recorded keys merged into the ranges once this many are pending
+
+
+def with_row_keys(names: Sequence[str], specs: Sequence[InputSpec], axes: Sequence[int]
+                  ) -> Tuple[List[str], List[InputSpec], List[int]]:
+    """Inputs, specs and batch axes with the row-key column appended (what the source returns)."""
+    if ROW_KEY in names:
+        raise ValueError(f"{ROW_KEY!r} is reserved for the row keys of feeder.sources; rename that input")
+    return (list(names) + [ROW_KEY], list(specs) + [InputSpec(ROW_KEY, np.dtype(np.int64), (None,))],
+            list(axes) + [0])
+
+
+def public_names(names: Sequence[str]) -> List[str]:
+    return [n for n in names if n != ROW_KEY]
+
+
+def split_keys(arrays: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], np.ndarray]:
+    """(the inputs, the row keys) of a batch whose last array holds the keys."""
+    return list(arrays[:-1]), arrays[-1]
+
+
+def merge_ranges(ranges: np.ndarray, keys: Optional[np.ndarray] = None) -> Tuple[np.ndarray, int]:
+    """The union of ``ranges`` (k, 2) and ``keys`` as sorted disjoint, non-adjacent ranges, and how
+    many keys were counted twice (overlaps)."""
+    parts = [ranges.reshape(-1, 2)]
+    if keys is not None and keys.size:
+        k = np.sort(keys.astype(np.int64, copy=False))
+        breaks = np.flatnonzero(np.diff(k) != 1) + 1
+        first = np.concatenate([[0], breaks])
+        last = np.concatenate([breaks - 1, [len(k) - 1]])
+        parts.append(np.stack([k[first], k[last] + 1], axis=1))
+    allr = np.concatenate(parts).astype(np.int64, copy=False)
+    if not len(allr):
+        return allr.reshape(0, 2), 0
+    counted = int((allr[:, 1] - allr[:, 0]).sum())
+    allr = allr[np.argsort(allr[:, 0], kind="stable")]
+    starts, stops = allr[:, 0], allr[:, 1]
+    reach = np.maximum.accumulate(stops)
+    new = np.concatenate([[True], starts[1:] > reach[:-1]])
+    idx = np.flatnonzero(new)
+    merged = np.stack([starts[idx], np.maximum.reduceat(stops, idx)], axis=1)
+    covered = int((merged[:, 1] - merged[:, 0]).sum())
+    return merged, counted - covered
+
+
+class KeyLedger:
+    """The keys of the rows a source delivered to consumers, as ranges (see module docstring)."""
+
+    def __init__(self, source: str, ranges: Optional[np.ndarray] = None):
+        self.source = source
+        self._lock = threading.Lock()
+        self._ranges = np.zeros((0, 2), np.int64) if ranges is None else merge_ranges(ranges)[0]
+        self._pending: List[np.ndarray] = []
+        self._pending_n = 0
+        self.duplicates = 0
+
+    @classmethod
+    def from_state(cls, source: str, state: Optional[Dict[str, Any]]) -> "KeyLedger":
+        """A ledger that starts with what ``state`` says was delivered (a resumed run's checkpoints
+        cover the rows delivered before the resume too)."""
+        return cls(source, None if state is None else ranges_of(state))
+
+    def record(self, item: Any) -> None:
+        """Called with every item a feed's ready queue pops, under that queue's lock: cheap."""
+        keys = getattr(item, "keys", None)
+        if keys is None:
+            return
+        with self._lock:
+            self._pending.append(np.array(keys, dtype=np.int64))  # a copy: the batch buffer is reused
+            self._pending_n += len(keys)
+            if self._pending_n >= COMPACT_KEYS:
+                self._compact()
+
+    def _compact(self) -> None:
+        if self._pending:
+            keys = np.concatenate(self._pending)
+            self._pending, self._pending_n = [], 0
+            self._ranges, dup = merge_ranges(self._ranges, keys)
+            if dup:
+                self.duplicates += dup
+                log.error("source %r: row ledger does not balance: %d row key(s) were delivered twice",
+                          self.source, dup)
+
+    def ranges(self) -> np.ndarray:
+        """The delivered keys as an (k, 2) int64 array of sorted disjoint [start, stop) ranges."""
+        with self._lock:
+            self._compact()
+            ranges: np.ndarray = self._ranges.copy()
+            return ranges
+
+    def rows(self) -> int:
+        r = self.ranges()
+        return int((r[:, 1] - r[:, 0]).sum())
+
+
+def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict[str, Any]:
+    """The JSON-serializable state of a source: its definition and the key ranges delivered."""
+    if ledger is None:
+        raise ValueError(f"source {name!r} cannot be checkpointed: its fetch_fun gives no row keys (use a source "
+                         f"from feeder.sources, or see 'Checkpoint and resume' in the README)")
+    definition = getattr(fetch_fun, "feeder_definition", None)
+    ranges = ledger.ranges()
+    return {
+        "format": STATE_FORMAT,
+        "source": name,
+        "definition": definition() if definition is not None else {},
+        "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()),
+        "delivered": [[int(a), int(b)] for a, b in ranges],
+    }

@@ -1,0 +1,203 @@
+"""ParquetSource on files written here with pyarrow: row groups, files, list and string columns,
+nulls, missing columns, empty files, and resume."""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import feeder
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from feeder.sources import ParquetSource  # noqa: E402
+
+
+def write(path, lo, hi, row_group_size):
+    ids = np.arange(lo, hi)
+    n = len(ids)
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 6).astype(np.float32)), 3)
+    img = pa.FixedSizeListArray.from_arrays(emb, 2)  # nested: (n, 2, 3)
+    tensor_type = pa.fixed_shape_tensor(pa.int32(), (2, 2))
+    tensor = pa.ExtensionArray.from_storage(
+        tensor_type, pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 4).astype(np.int32)), 4))
+    table = pa.table({
+        "id": pa.array(ids, pa.int64()),
+        "score": pa.array(ids.astype(np.float64) / 2),
+        "img": img,
+        "tensor": tensor,
+        "pair": pa.array([[int(i), int(i)] for i in ids], pa.list_(pa.int64())),  # variable lists, all of length 2
+        "name": pa.array([f"row{i}" for i in ids]),
+        "flag": pa.array(ids % 2 == 0),
+        "unused": pa.array([None] * n, pa.float32()),  # nulls in a column nobody reads are fine
+    })
+    pq.write_table(table, path, row_group_size=row_group_size, compression="zstd")
+    return n
+
+
+@pytest.fixture
+def files(tmp_path):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    write(d / "a.parquet", 0, 100, 17)
+    write(d / "sub" / "b.parquet", 100, 130, 50)
+    write(d / "c.parquet", 130, 130, 10)  # empty
+    write(d / "d.parquet", 130, 175, 9)
+    return d
+
+
+INPUTS = ["id", "score", "img", "tensor", "pair", "name", "flag"]
+
+
+def consume(source, *, inputs=INPUTS, workers=3, ordered=False, batch_size=16, take=None, resume=None, replicas=1):
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        for _ in range(replicas):
+            feeder.init_data_input_workers(None, inputs, source, batch_size, num_worker_threads=workers,
+                                           coordinator=coord, ordered=ordered, resume_from=resume)
+        coord.start()
+        got, live, i = [], list(coord.feeds("train")), 0
+        while live and (take is None or len(got) < take):
+            f = live[i % len(live)]
+            try:
+                got.append({k: v.copy() for k, v in f.next_batch(timeout=20).items()})
+                i += 1
+            except StopIteration:
+                live.remove(f)
+        return got, coord.state_dict("train")
+    finally:
+        coord.stop()
+
+
+def test_every_row_of_every_file_and_row_group_once_per_epoch_with_its_columns(files):
+    src = ParquetSource(files, shuffle=True, seed=4, epochs=2)
+    assert len(src) == 175 and len(src.files) == 4
+    got, state = consume(src, replicas=2)
+    ids = np.concatenate([b["id"] for b in got])
+    assert Counter(ids.tolist()) == Counter({i: 2 for i in range(175)})
+    b = got[0]
+    ids0 = b["id"]
+    np.testing.assert_array_equal(b["score"], ids0 / 2)
+    assert b["img"].shape == (len(ids0), 2, 3) and b["img"].dtype == np.float32
+    np.testing.assert_array_equal(b["img"][:, 1, 2], ids0)
+    assert b["tensor"].shape == (len(ids0), 2, 2) and b["tensor"].dtype == np.int32
+    np.testing.assert_array_equal(b["tensor"][:, 1, 1], ids0)
+    assert b["pair"].shape == (len(ids0), 2)
+    assert b["name"].dtype.kind == "U" and b["name"].tolist() == [f"row{i}" for i in ids0]
+    assert b["flag"].dtype == np.bool_ and (b["flag"] == (ids0 % 2 == 0)).all()
+    assert state["rows_delivered"] == 350 and state["delivered"] == [[0, 350]]
+
+
+def test_columns_map_inputs_to_columns_and_only_those_are_read(files, monkeypatch):
+    src = ParquetSource([files / "a.parquet", files / "d.parquet"], columns={"x": "score", "key": "id"})
+    read = []
+    orig = pq.ParquetFile.read_row_group
+
+    def spy(self, i, columns=None, **kw):
+        read.append(tuple(columns))
+        return orig(self, i, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    got, _ = consume(src, inputs=["key", "x"])
+    ids = np.concatenate([b["key"] for b in got])
+    assert sorted(ids.tolist()) == list(range(100)) + list(range(130, 175))
+    assert set(read) == {("id", "score")}
+    np.testing.assert_array_equal(np.concatenate([b["x"] for b in got]), ids / 2)
+
+
+def test_ordered_resume_gives_the_same_batches_as_an_uninterrupted_run(files):
+    def make():
+        return ParquetSource(files, shuffle=True, seed=9, epochs=2)
+
+    full, _ = consume(make(), inputs=["id", "name"], ordered=True, batch_size=12)
+    before, state = consume(make(), inputs=["id", "name"], ordered=True, batch_size=12, take=11)
+    after, _ = consume(make(), inputs=["id", "name"], ordered=True, batch_size=12, workers=2, resume=state)
+    assert [b["id"].tolist() for b in before + after] == [b["id"].tolist() for b in full]
+    assert [b["name"].tolist() for b in before + after] == [b["name"].tolist() for b in full]
+
+
+def test_a_state_from_other_files_or_columns_is_refused(files, tmp_path):
+    _, state = consume(ParquetSource(files), inputs=["id"], take=2)
+    coord = feeder.GlobalCoordinator()
+    with pytest.raises(ValueError, match="files"):
+        feeder.init_data_input_workers(None, ["id"], ParquetSource(files / "a.parquet"), 8, coordinator=coord,
+                                       resume_from=state)
+    with pytest.raises(ValueError, match="columns"):
+        feeder.init_data_input_workers(None, ["id"], ParquetSource(files, columns={"id": "score"}), 8,
+                                       coordinator=coord, resume_from=state)
+    with pytest.raises(ValueError, match="seed"):
+        feeder.init_data_input_workers(None, ["id"], ParquetSource(files, seed=3), 8, coordinator=coord,
+                                       resume_from=state)
+
+
+def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(tmp_path):
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"x": pa.array([1.0, None, 3.0] * 10), "ok": pa.array(np.arange(30.0))}), path,
+                   row_group_size=10)
+    got, _ = consume(ParquetSource(path), inputs=["ok"])
+    assert sum(len(b["ok"]) for b in got) == 30
+    with pytest.raises(feeder.InputValidationError, match="column 'x'.*null"):
+        consume(ParquetSource(path), inputs=["x"])
+    lists = tmp_path / "list_nulls.parquet"
+    pq.write_table(pa.table({"v": pa.array([[1.0, None]] * 4, pa.list_(pa.float64(), 2))}), lists)
+    with pytest.raises(feeder.InputValidationError, match="column 'v'.*null"):
+        consume(ParquetSource(lists), inputs=["v"])
+
+
+def test_a_missing_column_is_a_value_error_naming_it(files):
+    with pytest.raises(ValueError, match="'nope'"):
+        ParquetSource(files, columns={"x": "nope"})
+    src = ParquetSource(files)
+    with pytest.raises(ValueError, match="'nope'"):
+        feeder.init_data_input_workers(None, ["id", "nope"], src, 8, coordinator=feeder.GlobalCoordinator())
+    with pytest.raises(ValueError, match="missing"):
+        feeder.init_data_input_workers(None, ["id", "x"], ParquetSource(files, columns={"id": "id"}), 8,
+                                       coordinator=feeder.GlobalCoordinator())
+
+
+def test_empty_files_end_the_source_at_once(tmp_path):
+    path = tmp_path / "empty.parquet"
+    write(path, 0, 0, 10)
+    src = ParquetSource(path, epochs=None)
+    assert len(src) == 0
+    got, state = consume(src, inputs=["id"])
+    assert got == [] and state["rows_delivered"] == 0
+    with pytest.raises((FileNotFoundError, ValueError)):
+        ParquetSource(tmp_path / "absent.parquet")
+
+
+def test_without_pyarrow_creating_one_says_what_to_install(monkeypatch, files):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match=r"feeder\[parquet\]"):
+        ParquetSource(files)
+
+
+def test_numeric_and_fixed_size_list_columns_are_not_copied(files):
+    from feeder.sources.base import SourceBinding
+    src = ParquetSource(files / "a.parquet", columns={"score": "score", "img": "img", "name": "name"})
+    src.feeder_validate(("score", "img", "name"), None)
+    src.feeder_bind(SourceBinding("train", ((0,),), ("score", "img", "name"), False, None))
+    score, img, name, keys = src(0, 8)
+    assert not score.flags.owndata and not score.flags.writeable  # a view of Arrow's buffer
+    assert not img.flags.owndata and img.shape == (17, 2, 3)
+    assert name.dtype.kind == "U" and keys.tolist() == list(range(17))
+
+
+@pytest.mark.skipif("num_worker_processes" not in __import__("inspect").signature(
+    feeder.init_data_input_workers).parameters, reason="worker processes (issue 10) are not on this branch")
+def test_parquet_source_in_worker_processes(files):
+    src = ParquetSource(files, shuffle=True, epochs=2)
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        feeder.init_data_input_workers(None, ["id", "name", "img"], src, 16, num_worker_processes=2, coordinator=coord)
+        coord.start()
+        got = list(coord.feed("train"))
+    finally:
+        coord.stop()
+    ids = np.concatenate([b["id"] for b in got])
+    assert Counter(ids.tolist()) == Counter({i: 2 for i in range(175)})
+    assert all(b["name"].tolist() == [f"row{i}" for i in b["id"]] for b in got)
