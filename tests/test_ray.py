@@ -302,3 +302,15 @@ def test_cluster_worker_node_removed_mid_stream_survives_or_fails_never_hangs(cl
             or r["cause"].startswith("RayTaskError"), r
     if scenario == "node_loss_retry":  # the step may run on the head: Ray retries there
         assert r["error"] is None and r["exact"], r
+
+
+# ---- the example -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_ray_batch_inference_example_runs_both_ways_on_the_same_rows():
+    ray_or_skip()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ray_batch_inference.py"),
+                           "--rows", "6000", "--blocks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "same rows and results: True" in out, out
+    assert out.count(" rows/s ") == 2 and "6000 rows in" in out, out
