@@ -141,8 +141,9 @@ class ShardedSource:
     which returns it as one chunk (its rows shuffled too). That is exactly the order in which
     ``ordered=True`` takes chunks from workers, so an ordered source's rows come in the
     sequence's order. The row at position ``i`` of its unit's (shuffled) row order, in the unit
-    starting at row ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``. Resuming drops the delivered rows from the sequence and deals what is left
-    the same way, so an ordered run continues with exactly the rows it would have delivered.
+    starting at row ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``.
+    Resuming drops the delivered rows from the sequence and deals what is left the same way, so
+    an ordered run continues with exactly the rows it would have delivered.
     """
 
     feeder_row_keys = True
