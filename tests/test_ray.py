@@ -314,3 +314,15 @@ def test_the_ray_batch_inference_example_runs_both_ways_on_the_same_rows():
     assert proc.returncode == 0, f"{out[-2000:]}\n{proc.stderr[-3000:]}"
     assert "same rows and results: True" in out, out
     assert out.count(" rows/s ") == 2 and "6000 rows in" in out, out
+
+
+def test_outside_its_threads_an_unbound_source_says_why(ray_local):
+    """A copy (as a worker process would get) or a call before start() has no shard: a clear error."""
+    import pickle
+
+    from feeder.sources import RayDataSource
+
+    source = pickle.loads(pickle.dumps(RayDataSource(ray_local.data.range(10))))
+    with pytest.raises(RuntimeError, match="fetcher threads only"):
+        source(0, 4)
+    assert "not bound" in source.feeder_describe()

@@ -336,8 +336,9 @@ class RayDataSource:
     def __call__(self, worker_id: int, batch_size: int) -> List[np.ndarray]:
         shard = self._by_worker.get(worker_id)
         if shard is None:
-            raise RuntimeError(f"RayDataSource: worker {worker_id} is not bound to a shard; the source is bound by "
-                               f"coord.start() (is it used outside a coordinator, or after stop()?)")
+            raise RuntimeError(f"RayDataSource: worker {worker_id} is not bound to a shard. The source is bound by "
+                               f"coord.start() and runs in fetcher threads only (num_worker_threads): in a worker "
+                               f"process, outside a coordinator or after stop() it has no shard")
         return shard.take(worker_id, self.stall_timeout)
 
 
