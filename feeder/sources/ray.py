@@ -149,7 +149,7 @@ class _Shard:
             if self.stop.is_set():
                 # Only after stop() signalled the fetchers, which then ignore what a call raises.
                 raise RuntimeError(f"source {self.source_name!r}: Ray Data shard {self.index} was released")
-            if self.ended or not self.thread.is_alive():
+            if self.ended:  # set by the pump after its last put, so an empty buffer now stays empty
                 if self.ready.empty():
                     raise StopIteration
                 continue
