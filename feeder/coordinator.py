@@ -186,6 +186,8 @@ class GlobalCoordinator:
         for feed in feeds:
             feed._signal_stop()
         discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
+        # Before the join: a fetch call waiting on its source's iterator (Ray Data) returns once released.
+        release_sources(feeds)
         deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
         threads = [t for f in feeds for t in f._threads()]
         _join_all(threads, deadline)
@@ -197,7 +199,6 @@ class GlobalCoordinator:
                     feed._check_ledger("stop")
             for q in queues:
                 q.check_ledger("stop")
-        release_sources(feeds)
         with self._lock:
             for q in queues:
                 mine = [f for f in feeds if f.input_source_name == q.name]

@@ -55,3 +55,9 @@ def ledger_always_balances(request):
     logger.removeHandler(watch)
     if "ledger_may_fail" not in request.keywords:
         assert not watch.bad, watch.bad
+
+
+def pytest_collection_modifyitems(config, items):
+    """Ray tests run last: the local Ray instance they start lives until the session ends, and its
+    processes and threads must not take CPU from the timing-sensitive tests of other modules."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)  # stable: order kept otherwise

@@ -1,0 +1,328 @@
+"""RayDataSource: on a local Ray instance (one per test session) and on a simulated 2-node cluster.
+
+The local instance is ``ray.init(num_cpus=2)``, started by the first test that needs it and shut
+down at the end of the session. The cluster tests run ``tests/ray_cluster_run.py`` in a
+subprocess (a process holds one Ray connection). Everything is skipped, with the reason, only
+where ray cannot be imported; ``.ci/run`` installs it (the ``test`` extra).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import feeder
+
+pytestmark = pytest.mark.ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ray_or_skip():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"ray[data] cannot be imported ({e}); pip install 'feeder[ray]'")
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    ray = ray_or_skip()
+    import logging
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    yield ray
+    ray.shutdown()
+
+
+def pipeline(ray, rows=1000, blocks=10, fn=None, **remote_args):
+    """range(rows) -> map_batches: x = id repeated 4 times (float32), k = id."""
+    def prep(batch):
+        ids = batch["id"]
+        if fn is not None:
+            fn(ids)
+        return {"x": (ids[:, None] * np.ones(4)).astype(np.float32), "k": ids}
+    return ray.data.range(rows, override_num_blocks=blocks).map_batches(prep, **remote_args)
+
+
+def consume_all(feeds, timeout=60.0):
+    """Drain every feed in its own thread until StopIteration; returns keys per feed and errors."""
+    keys = [[] for _ in feeds]
+    errors = [None] * len(feeds)
+
+    def run(i):
+        try:
+            for batch in feeds[i]:
+                assert np.array_equal(batch["x"][:, 0], batch["k"].astype(np.float32))
+                keys[i].append(batch["k"].copy())
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(feeds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    return [np.concatenate(k) if k else np.zeros(0, np.int64) for k in keys], errors
+
+
+# ---- without Ray -------------------------------------------------------------------------------
+def test_importing_feeder_and_its_sources_never_imports_ray():
+    code = ("import sys, feeder, feeder.sources, feeder.sources.ray; from feeder.sources import RayDataSource; "
+            "assert 'ray' not in sys.modules, 'ray was imported'; assert 'pyarrow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_without_ray_creating_the_source_says_what_to_install():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from feeder.sources import RayDataSource\n"
+            "try:\n    RayDataSource(object())\nexcept ImportError as e:\n    print('MSG', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60, capture_output=True,
+                         text=True).stdout
+    assert "MSG" in out and "pip install 'feeder[ray]'" in out, out
+
+
+# ---- local instance ----------------------------------------------------------------------------
+def test_two_replicas_get_every_row_once(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    source = RayDataSource(pipeline(ray_local, rows=2000, blocks=16))
+    for _ in range(2):
+        feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=64, num_worker_threads=2,
+                                       input_source_name="ray", coordinator=coord, timeout=60)
+    coord.start()
+    keys, errors = consume_all(coord.feeds("ray"))
+    assert errors == [None, None]
+    every = np.concatenate(keys)
+    assert np.array_equal(np.sort(every), np.arange(2000))  # every row once: none lost, none twice
+    # each replica ends with at most one short batch
+    assert all(len(k) > 0 for k in keys)
+
+
+def test_session_run_and_column_mapping(ray_local, coord):
+    from models import linear_model, session
+
+    from feeder.sources import RayDataSource
+
+    sess = session(linear_model(in_dim=4, out_dim=3))
+    source = RayDataSource(pipeline(ray_local, rows=640, blocks=4), columns={"x": "x"})
+    feeder.init_data_input_workers(sess, ["x"], source, batch_size=32, num_worker_threads=1,
+                                   input_source_name="ray", coordinator=coord, timeout=60)
+    with coord:
+        feed = coord.feed("ray")
+        sums = []
+        while True:
+            try:
+                y, s = feed.run()
+            except StopIteration:
+                break
+            assert y.shape == (32, 3)
+            sums.append(s)
+    # s = sum over the 4 equal features of row id: 4 * id, for every id once
+    assert np.array_equal(np.sort(np.concatenate(sums)), 4.0 * np.arange(640, dtype=np.float32))
+
+
+def test_a_missing_column_is_a_value_error_naming_it(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    # Schema known without running (a read): at registration.
+    with pytest.raises(ValueError, match="'nope'"):
+        feeder.init_data_input_workers(None, ["x"], RayDataSource(ray_local.data.range(10), columns={"x": "nope"}),
+                                       batch_size=4, coordinator=coord)
+    with pytest.raises(ValueError, match="give no column for inputs \\['y'\\]"):
+        feeder.init_data_input_workers(None, ["x", "y"], RayDataSource(ray_local.data.range(10),
+                                       columns={"x": "id"}), batch_size=4, coordinator=coord)
+    # Schema known only by running (map_batches): at the first batch, as the FetchError's cause.
+    feeder.init_data_input_workers(None, ["x", "nope"], RayDataSource(pipeline(ray_local, rows=100, blocks=2)),
+                                   batch_size=4, coordinator=coord, input_source_name="ray", timeout=60)
+    with coord:
+        with pytest.raises(feeder.FetchError) as info:
+            coord.feed("ray").next_batch()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "'nope'" in str(info.value.__cause__)
+
+
+def test_resume_is_refused_at_registration(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    with pytest.raises(ValueError, match="cannot resume"):
+        feeder.init_data_input_workers(None, ["id"], RayDataSource(ray_local.data.range(10)), batch_size=4,
+                                       coordinator=coord, resume_from={"format": "feeder.source-state/1"})
+
+
+def test_an_error_in_a_ray_task_is_a_fetch_error_with_the_cause(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    def boom(ids):
+        if ids[0] >= 300:
+            raise ZeroDivisionError(f"bad block at {ids[0]}")
+
+    source = RayDataSource(pipeline(ray_local, rows=600, blocks=6, fn=boom))
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=50, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=60)
+    coord.start()
+    keys, errors = consume_all(coord.feeds("ray"))
+    err = errors[0]
+    assert isinstance(err, feeder.FetchError), err
+    assert "worker" in str(err) and "'ray'" in str(err)
+    assert isinstance(err.__cause__, ray_local.exceptions.RayTaskError)
+    assert "ZeroDivisionError" in str(err.__cause__) and "bad block at" in str(err.__cause__)
+    assert len(np.unique(keys[0])) == len(keys[0])  # what came before the failure came once
+    assert coord.stop()
+
+
+def test_stall_waiting_on_ray_times_out_with_diagnosis_then_fails(ray_local, coord):
+    """A step that needs a resource no node has never runs: the consumer's timeout says the source
+    waits on Ray, and after stall_timeout the source fails with FetchError: never a hang."""
+    from feeder.sources import RayDataSource
+    from feeder.sources.ray import RayStallError
+
+    source = RayDataSource(pipeline(ray_local, rows=100, blocks=2, resources={"nowhere": 1}), stall_timeout=2.5)
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=10, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=30)
+    coord.start()
+    feed = coord.feed("ray")
+    with pytest.raises(feeder.FeedTimeout, match="waiting on Ray Data: Ray Data shard 0 waiting on Ray"):
+        feed.next_batch(timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(feeder.FetchError) as info:
+        feed.next_batch(timeout=20)
+    assert isinstance(info.value.__cause__, RayStallError)
+    assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    assert coord.stop()  # the pump stuck in Ray is released (the split actor is killed)
+    assert time.monotonic() - t0 < 5
+
+
+def test_stop_mid_stream_releases_and_a_new_start_reads_again(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    source = RayDataSource(pipeline(ray_local, rows=20000, blocks=20), batch_size=100)
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=100, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=60, max_buffered_batches=4)
+    coord.start()
+    for _ in range(3):
+        coord.feed("ray").next_batch()
+    assert "shard 0" in source.feeder_describe()
+    assert coord.stop()
+    assert source.feeder_describe().startswith("Ray Data source not bound")
+    assert not [t for t in threading.enumerate() if t.name.startswith("feeder:")]
+    # The same source object, registered again: bound again, the dataset runs again from its start.
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=1000, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=60)
+    coord.start()
+    keys, errors = consume_all(coord.feeds("ray"))
+    assert errors == [None]
+    assert np.array_equal(np.sort(keys[0]), np.arange(20000))
+
+
+def test_a_shard_made_elsewhere_is_shared_by_the_replicas(ray_local, coord):
+    """Across hosts, a driver splits once and hands each host its DataIterator."""
+    from feeder.sources import RayDataSource
+
+    (shard,) = pipeline(ray_local, rows=500, blocks=5).streaming_split(1)
+    source = RayDataSource(shard)
+    for _ in range(2):
+        feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=32, num_worker_threads=1,
+                                       input_source_name="ray", coordinator=coord, timeout=60)
+    coord.start()
+    keys, errors = consume_all(coord.feeds("ray"))
+    assert errors == [None, None]
+    assert np.array_equal(np.sort(np.concatenate(keys)), np.arange(500))
+
+
+def test_bad_arguments(ray_local):
+    from feeder.sources import RayDataSource
+
+    with pytest.raises(TypeError, match="ray.data.Dataset"):
+        RayDataSource([1, 2, 3])
+    with pytest.raises(TypeError, match="columns"):
+        RayDataSource(ray_local.data.range(3), columns=["id"])
+    with pytest.raises(ValueError, match="stall_timeout"):
+        RayDataSource(ray_local.data.range(3), stall_timeout=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        RayDataSource(ray_local.data.range(3), batch_size=0)
+
+
+# ---- simulated 2-node cluster ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster_results():
+    ray_or_skip()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ray_cluster_run.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["scenario"]] = r
+    assert proc.returncode == 0 and results, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for r in results.values():
+        print("cluster:", json.dumps(r))
+    return results
+
+
+def check_clean(r):
+    assert not r["hung"], r
+    assert r["stopped_cleanly"] and not r["feeder_threads_left"], r
+    assert r["duplicates"] == 0, r
+
+
+def test_cluster_preprocessing_on_the_second_node_two_replicas_exact_ledger(cluster_results):
+    r = cluster_results["placement"]
+    check_clean(r)
+    assert r["error"] is None, r
+    assert r["exact"], r  # every row once across the 2 replicas
+    assert r["all_on_worker"], r  # map_batches ran on the node with the custom resource
+    assert all(n > 0 for n in r["rows_per_replica"]), r
+
+
+@pytest.mark.parametrize("scenario", ["node_loss", "node_loss_retry"])
+def test_cluster_worker_node_removed_mid_stream_survives_or_fails_never_hangs(cluster_results, scenario):
+    r = cluster_results[scenario]
+    check_clean(r)
+    assert r["removed_at_s"] is not None, r
+    # Either Ray retried the lost tasks elsewhere and every row came once, or a FetchError said why.
+    if r["error"] is None:
+        assert r["exact"], r
+    else:
+        assert r["error"] == "FetchError", r
+        assert r["cause"] in ("RayStallError", "RayTaskError", "ObjectLostError", "RayActorError") \
+            or r["cause"].startswith("RayTaskError"), r
+    if scenario == "node_loss_retry":  # the step may run on the head: Ray retries there
+        assert r["error"] is None and r["exact"], r
+
+
+# ---- the example -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_ray_batch_inference_example_runs_both_ways_on_the_same_rows():
+    ray_or_skip()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ray_batch_inference.py"),
+                           "--rows", "6000", "--blocks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "same rows and results: True" in out, out
+    assert out.count(" rows/s ") == 2 and "6000 rows in" in out, out
+
+
+def test_outside_its_threads_an_unbound_source_says_why(ray_local):
+    """A copy (as a worker process would get) or a call before start() has no shard: a clear error."""
+    import pickle
+
+    from feeder.sources import RayDataSource
+
+    source = pickle.loads(pickle.dumps(RayDataSource(ray_local.data.range(10))))
+    with pytest.raises(RuntimeError, match="fetcher threads only"):
+        source(0, 4)
+    assert "not bound" in source.feeder_describe()
