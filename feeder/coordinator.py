@@ -174,10 +174,10 @@ class GlobalCoordinator:
 
     def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue], monitor: Optional[Monitor],
                   stop_monitor: bool, timeout: Optional[float]) -> bool:
-        for feed in feeds:
-            feed._signal_stop()
-        discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
+        for feed in feeds:
+            feed._signal_stop(deadline)  # worker processes are stopped against the same budget
+        discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         threads = [t for f in feeds for t in f._threads()]
         _join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]

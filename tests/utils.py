@@ -65,3 +65,31 @@ class ListLogger:
     def log(self, metrics):
         self.records.append(metrics)
         self.got.set()
+
+
+class Sharded:
+    """``n`` rows (ids plus an aligned float copy) split into ``workers`` contiguous shards: worker
+    ``w`` (``first_id + w`` is its worker id) serves its own shard in chunks of ``sizes`` (cycled),
+    then raises StopIteration. Per-worker state only, so the same rows come out whether the workers
+    are threads sharing this object or processes holding copies of it (module-level, picklable)."""
+
+    def __init__(self, n: int, workers: int, sizes=(5,), width: int = 2, first_id: int = 0, delay: float = 0.0):
+        self.n, self.workers, self.sizes, self.width = n, workers, list(sizes), width
+        self.first_id, self.delay = first_id, delay
+        self._pos = {}
+
+    def shard(self, w: int):
+        k = w - self.first_id
+        return self.n * k // self.workers, self.n * (k + 1) // self.workers
+
+    def __call__(self, worker_id: int, batch_size: int):
+        if self.delay:
+            time.sleep(self.delay)
+        lo, hi = self.shard(worker_id)
+        pos, calls = self._pos.get(worker_id, (lo, 0))
+        if pos >= hi:
+            raise StopIteration
+        stop = min(hi, pos + self.sizes[calls % len(self.sizes)])
+        self._pos[worker_id] = (stop, calls + 1)
+        ids = np.arange(pos, stop, dtype=np.int64)
+        return [ids, np.repeat(ids[:, None].astype(np.float32), self.width, axis=1)]
