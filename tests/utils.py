@@ -18,6 +18,11 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
         tick.wait(0.005)
 
 
+def workers(mode: str, n: int) -> dict:
+    """The keyword that asks for ``n`` fetchers in ``mode`` ("threads" or "processes")."""
+    return {"num_worker_threads": n} if mode == "threads" else {"num_worker_processes": n}
+
+
 class Dataset:
     """A finite dataset of ``n`` rows served in chunks: ids plus a float copy to check alignment.
 
@@ -93,3 +98,117 @@ class Sharded:
         self._pos[worker_id] = (stop, calls + 1)
         ids = np.arange(pos, stop, dtype=np.int64)
         return [ids, np.repeat(ids[:, None].astype(np.float32), self.width, axis=1)]
+
+
+def rows_of_ones(n: int = 4):
+    return [np.ones((n, 2), np.float32)]
+
+
+class FailAt:
+    """Raises ``exc`` at call ``n`` of worker ``worker`` (any worker if None), else returns 4 rows."""
+
+    def __init__(self, n: int, exc: BaseException, worker=None):
+        self.n, self.exc, self.worker = n, exc, worker
+        self._calls = {}
+
+    def __call__(self, worker_id: int, batch_size: int):
+        k = self._calls[worker_id] = self._calls.get(worker_id, 0) + 1
+        if k == self.n and (self.worker is None or worker_id == self.worker):
+            raise self.exc
+        return rows_of_ones()
+
+
+class UnpicklableError(Exception):
+    """Pickles, but cannot be rebuilt (its __init__ wants two arguments)."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def raise_unpicklable(worker_id: int, batch_size: int):
+    raise UnpicklableError("left", "right")
+
+
+class DieAt:
+    """Worker ``worker`` dies at its call ``n``: ``how`` is "exit" (os._exit(7)), "segfault" or "sigkill"."""
+
+    def __init__(self, n: int, how: str, worker: int = 0, stamp: str = ""):
+        self.n, self.how, self.worker, self.stamp = n, how, worker, stamp
+        self._calls = 0
+
+    def __call__(self, worker_id: int, batch_size: int):
+        import os
+        import signal
+        if worker_id == self.worker:
+            self._calls += 1
+            if self._calls == self.n:
+                if self.stamp:  # when it died, for the parent to measure how soon it knew
+                    with open(self.stamp, "w") as f:
+                        f.write(repr(time.time()))
+                if self.how == "exit":
+                    os._exit(7)
+                if self.how == "segfault":
+                    import ctypes
+                    import faulthandler
+                    faulthandler.disable()  # keep the test's output quiet
+                    ctypes.string_at(0)
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.001)
+        return rows_of_ones()
+
+
+def sleep_forever(worker_id: int, batch_size: int):
+    time.sleep(3600)  # stuck in "I/O"
+
+
+def hang_worker_zero(worker_id: int, batch_size: int):
+    if worker_id == 0:
+        time.sleep(3600)
+    return rows_of_ones()
+
+
+def random_probe(worker_id: int, batch_size: int):
+    """One row: worker id, a draw from `random` and one from numpy's global generator."""
+    import random
+    return [np.array([[worker_id, random.random(), np.random.random()]])]
+
+
+_INIT = {}
+
+
+def record_init(worker_id: int):
+    _INIT["worker"] = worker_id * 100
+
+
+def report_init(worker_id: int, batch_size: int):
+    return [np.array([_INIT.get("worker", -1)], np.int64)]
+
+
+def echo_batch_size(worker_id: int, batch_size: int):
+    time.sleep(0.002)
+    return [np.full(batch_size, batch_size, np.int64)]
+
+
+class BadAt:
+    """Returns int64 ids; at call ``n`` a float32 chunk (a dtype the source does not take)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._calls = 0
+
+    def __call__(self, worker_id: int, batch_size: int):
+        self._calls += 1
+        if self._calls == self.n:
+            return [np.zeros(3, np.float32)]
+        return [np.arange(3, dtype=np.int64)]
+
+
+_STRING_CALLS = {}
+
+
+def strings(worker_id: int, batch_size: int):
+    """Rows of a str array (any width; every other call an object array of str, which a string input
+    takes too) and a bytes array."""
+    k = _STRING_CALLS[worker_id] = _STRING_CALLS.get(worker_id, 0) + 1
+    texts = [f"w{worker_id}-{'x' * i}" for i in range(3)]
+    return [np.array(texts, dtype=object if k % 2 == 0 else str), np.array([b"ab", b"c", b"def"])]
