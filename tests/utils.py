@@ -212,3 +212,48 @@ def strings(worker_id: int, batch_size: int):
     k = _STRING_CALLS[worker_id] = _STRING_CALLS.get(worker_id, 0) + 1
     texts = [f"w{worker_id}-{'x' * i}" for i in range(3)]
     return [np.array(texts, dtype=object if k % 2 == 0 else str), np.array([b"ab", b"c", b"def"])]
+
+
+class PerWorker:
+    """Deterministic per worker: worker w's k-th chunk holds ids w*1e6 + k*1000 + row, ``chunks[w]``
+    chunks in all, with random pauses of up to ``delay`` s (jitter, not synchronisation)."""
+
+    def __init__(self, chunks_per_worker, sizes, delay=0.0, seed=None):
+        self.chunks, self.sizes, self.delay, self.seed = list(chunks_per_worker), list(sizes), delay, seed
+        self._calls = {}
+        self._rngs = {}
+
+    def __call__(self, worker_id: int, batch_size: int):
+        import random
+        k = self._calls.get(worker_id, 0)
+        self._calls[worker_id] = k + 1
+        rng = self._rngs.setdefault(worker_id, random.Random(f"{self.seed}-{worker_id}"))
+        pause = rng.random() * self.delay
+        if k >= self.chunks[worker_id % len(self.chunks)]:
+            raise StopIteration
+        if pause:
+            time.sleep(pause)
+        n = self.sizes[(worker_id + k) % len(self.sizes)]
+        ids = worker_id * 1_000_000 + k * 1000 + np.arange(n, dtype=np.int64)
+        return [ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1)]
+
+
+class NoneAndEmpty(Sharded):
+    """A Sharded dataset whose worker returns None at every 3rd call and an empty chunk at the next."""
+
+    def __call__(self, worker_id: int, batch_size: int):
+        k = self._pos.get(("k", worker_id), 0)
+        self._pos[("k", worker_id)] = k + 1
+        if k % 3 == 0:
+            return None
+        if k % 3 == 1:
+            return [np.zeros(0, np.int64), np.zeros((0, 2), np.float32)]
+        return super().__call__(worker_id, batch_size)
+
+
+def tiny_by_worker(worker_id: int, batch_size: int):
+    return [np.zeros((1 + worker_id % 3, 4), np.float32)]  # tiny chunks: coalesced
+
+
+def ones4(worker_id: int, batch_size: int):
+    return rows_of_ones()
