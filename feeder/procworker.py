@@ -102,6 +102,36 @@ class _Child:
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
         self.fetch_s = 0.0
         self.main_ident = threading.get_ident()
+        # Rows held for coalescing. The main thread owns them except inside fetch_fun, where the
+        # control thread may put them (a call that blocks must not hold rows back); the lock
+        # decides who has them.
+        self.lock = threading.Lock()
+        self.pending: List[Tuple[Tuple[np.ndarray, ...], int]] = []
+        self.pending_rows = 0
+        self.held_since = 0.0
+        self.axes: Tuple[int, ...] = ()
+
+    def flush(self, wait: bool = True) -> bool:
+        """Put the held rows as one chunk (caller holds ``lock``); False on stop, or when it would
+        have to wait and ``wait`` is False (the rows are then kept)."""
+        if not self.pending_rows:
+            return True
+        ok = self.put(self.pending, self.pending_rows, len(self.pending), self.axes, wait)
+        if ok or wait:
+            self.pending, self.pending_rows, self.held_since = [], 0, 0.0
+        return ok
+
+    def flush_if_stale(self) -> None:
+        """From the control thread: put rows held past COALESCE_HOLD_S while fetch_fun runs."""
+        if not self.held_since or time.monotonic() - self.held_since < COALESCE_HOLD_S \
+                or self.status.state != "in fetch_fun":
+            return
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.status.state == "in fetch_fun":
+                    self.flush(wait=False)
+            finally:
+                self.lock.release()
 
     def stats(self) -> Tuple[Any, ...]:
         now = time.monotonic()
@@ -119,16 +149,20 @@ class _Child:
     # ---- the control thread ---------------------------------------------------------------
     def control_loop(self, ppid: int) -> None:
         try:
+            next_check = time.monotonic() + PARENT_CHECK_S
             while True:
-                if self.chan.poll(PARENT_CHECK_S):
+                self.flush_if_stale()
+                if self.chan.poll(COALESCE_HOLD_S):
                     msg = self.chan.recv()
                     if msg[0] == "stop":
                         self.stop.set()
                         break
                     if msg[0] == "stack":
                         self.chan.send(("stack", self.stack(), self.stats()), timeout=0.5)
-                if os.getppid() != ppid:
-                    break  # reparented: the parent is gone
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + PARENT_CHECK_S
+                    if os.getppid() != ppid:
+                        break  # reparented: the parent is gone
         except (EOFError, OSError):
             pass  # the parent closed the channel or died
         self.stop.set()
@@ -147,10 +181,12 @@ class _Child:
         return "".join(lines)
 
     # ---- waits ----------------------------------------------------------------------------
-    def _wait(self, ready: Callable[[], bool], what: str) -> bool:
-        """Sleep in growing slices until ``ready()``; False on stop."""
+    def _wait(self, ready: Callable[[], bool], what: str, wait: bool = True) -> bool:
+        """Sleep in growing slices until ``ready()``; False on stop (or at once if not ``wait``)."""
         if ready():
             return True
+        if not wait:
+            return False
         before = self.status.state
         self.status.set(what)
         pause = WAIT_S
@@ -169,8 +205,9 @@ class _Child:
 
     # ---- sending chunks -------------------------------------------------------------------
     def put(self, pieces: List[Tuple[Tuple[np.ndarray, ...], int]], rows: int, slots: int,
-            axes: Tuple[int, ...]) -> bool:
-        """Write ``rows`` rows made of ``pieces`` into one slot and send its layout; False on stop."""
+            axes: Tuple[int, ...], wait: bool = True) -> bool:
+        """Write ``rows`` rows made of ``pieces`` into one slot and send its layout; False on stop
+        (or, if not ``wait``, when no slot or no room is free right now)."""
         first = pieces[0][0]
         shapes: List[Tuple[int, ...]] = []
         for i, a in enumerate(first):
@@ -189,7 +226,7 @@ class _Child:
             offsets.append(total)
             total += -(-int(np.prod(s, dtype=np.int64)) * d.itemsize // ALIGN) * ALIGN
         fields = self.control.fields
-        if not self._wait(lambda: self.sent - int(fields[ACKED]) < MAX_INFLIGHT, "waiting for queue space"):
+        if not self._wait(lambda: self.sent - int(fields[ACKED]) < MAX_INFLIGHT, "waiting for queue space", wait):
             return False
         slot = None
         fds: List[int] = []
@@ -201,7 +238,7 @@ class _Child:
                 got[:] = self.ring.acquire(total)
                 return got[0] is not None
 
-            if not self._wait(take, "waiting for a free shared-memory slot"):
+            if not self._wait(take, "waiting for a free shared-memory slot", wait):
                 return False
             slot, dropped, fds, _ = got
         layout: Layout = []
@@ -292,85 +329,85 @@ def _dup_keep(fd: int, chan: Channel) -> int:
 def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: bool) -> None:
     wid = child.worker_id
     fields = child.control.fields
-    axes = validator.axes
+    axes = child.axes = validator.axes
     status = child.status
     check = validator.check
     monotonic = time.monotonic
-    pending: List[Tuple[Tuple[np.ndarray, ...], int]] = []
-    pending_rows = 0
-    held_since = 0.0
+    lock = child.lock
     stats_due = monotonic() + STATS_S
-
-    def flush() -> bool:
-        nonlocal pending, pending_rows, held_since
-        if not pending_rows:
-            return True
-        ok = child.put(pending, pending_rows, len(pending), axes)
-        pending, pending_rows, held_since = [], 0, 0.0
-        return ok
-
-    while not child.stopped():
-        if not fields[GO]:
-            if not flush() or not child.wait_go():
-                return
-        bs = int(fields[BATCH_SIZE])
-        status.state = "in fetch_fun"
-        status.since = t0 = monotonic()
-        child.calls += 1
-        try:
-            raw = fetch_fun(wid, bs)
-        except StopIteration:
-            child.fetch_s += monotonic() - t0
-            if flush():
-                status.set("ended (StopIteration)")
-                child.send("end")
-            return
-        except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit reach the consumer too
-            child.fetch_s += monotonic() - t0
-            child.errors += 1
-            fatal = not isinstance(e, Exception)
-            child.send("error", *_describe_exception(e), fatal, "fetch_fun")
-            if fatal:
-                return
-            continue
-        now = monotonic()
-        slow = now - t0 > COALESCE_SLOW_CALL_S
-        child.fetch_s += now - t0
-        status.set("processing a chunk")
-        if raw is None:
-            child.none_chunks += 1
-            child.send("none")
-            continue
-        try:
-            arrays, rows = check(raw, wid)
-        except InputValidationError as e:
-            child.send("invalid", str(e))
-            return
-        if rows == 0:
-            child.empty_chunks += 1
-            child.send("empty")
-            continue
-        child.chunks += 1
-        child.rows += rows
-        if not coalesce or rows * COALESCE_FRACTION > bs:
-            if not flush() or not child.put([(arrays, rows)], rows, 1, axes):
-                return
-        else:
-            if not pending_rows:
-                held_since = now
-            pending.append((arrays, rows))
-            pending_rows += rows
-            while pending_rows >= bs:
-                take, taken = _take(pending, bs, axes)
-                pending_rows -= bs
-                if not child.put(take, bs, taken, axes):
+    lock.acquire()  # released only around fetch_fun (see _Child.lock)
+    try:
+        while not child.stopped():
+            if not fields[GO]:
+                if not child.flush() or not child.wait_go():
                     return
-            if pending_rows and (slow or now - held_since > COALESCE_HOLD_S):
-                if not flush():
+            bs = int(fields[BATCH_SIZE])
+            status.state = "in fetch_fun"
+            status.since = t0 = monotonic()
+            child.calls += 1
+            lock.release()
+            try:
+                raw = fetch_fun(wid, bs)
+            except StopIteration:
+                lock.acquire()
+                child.fetch_s += monotonic() - t0
+                if child.flush():
+                    status.set("ended (StopIteration)")
+                    child.send("end")
+                return
+            except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit reach the consumer too
+                lock.acquire()
+                child.fetch_s += monotonic() - t0
+                child.errors += 1
+                fatal = not isinstance(e, Exception)
+                status.set("processing a chunk")
+                child.send("error", *_describe_exception(e), fatal, "fetch_fun")
+                if fatal:
                     return
-        if now >= stats_due:
-            stats_due = now + STATS_S
-            child.send("stats")
+                continue
+            lock.acquire()
+            now = monotonic()
+            slow = now - t0 > COALESCE_SLOW_CALL_S
+            child.fetch_s += now - t0
+            status.set("processing a chunk")
+            if raw is None:
+                child.none_chunks += 1
+                child.send("none")
+                continue
+            try:
+                arrays, rows = check(raw, wid)
+            except InputValidationError as e:
+                child.send("invalid", str(e))
+                return
+            if rows == 0:
+                child.empty_chunks += 1
+                child.send("empty")
+                continue
+            child.chunks += 1
+            child.rows += rows
+            if not coalesce or rows * COALESCE_FRACTION > bs:
+                if not child.flush() or not child.put([(arrays, rows)], rows, 1, axes):
+                    return
+            else:
+                if not child.pending_rows:
+                    child.held_since = now
+                child.pending.append((arrays, rows))
+                child.pending_rows += rows
+                while child.pending_rows >= bs:
+                    take, taken = _take(child.pending, bs, axes)
+                    child.pending_rows -= bs
+                    if not child.put(take, bs, taken, axes):
+                        return
+                if not child.pending_rows:
+                    child.held_since = 0.0
+                elif slow or now - child.held_since > COALESCE_HOLD_S:
+                    if not child.flush():
+                        return
+            if now >= stats_due:
+                stats_due = now + STATS_S
+                child.send("stats")
+    finally:
+        lock.release()
 
 
 def _take(pending: List[Tuple[Tuple[np.ndarray, ...], int]], n: int,

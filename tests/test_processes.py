@@ -306,6 +306,8 @@ def test_max_fetch_errors_in_processes(coord, caplog):
     feed = coord.feed("train")
     for _ in range(30):
         feed.next_batch()
+    wait_until(lambda: all(s.calls >= 3 for s in feed._workers),
+               what="both processes past their failing call")
     assert feed.metrics()["fetch_errors"] == 2
     assert sum("tolerated" in r.getMessage() for r in caplog.records) == 2
 
@@ -420,3 +422,10 @@ def test_the_fetch_fun_is_pickled_at_start_not_at_registration(coord):
     got = [i for b in coord.feed("train") for i in b["id"].tolist()]
     assert got == list(range(50))
     assert pickle.loads(pickle.dumps(src)).n == 50
+
+
+def test_rows_held_for_coalescing_do_not_wait_on_a_blocking_fetch(coord):
+    register(coord, utils.four_tiny_then_block, 16, num_worker_processes=2)
+    coord.start()
+    batch = coord.feed("train").next_batch(timeout=3)  # the fetched rows make one whole batch
+    assert sorted(batch["x"].tolist()) == sorted(w * 100 + n for w in range(2) for n in (1, 2, 3, 4) for _ in range(2))

@@ -257,3 +257,12 @@ def tiny_by_worker(worker_id: int, batch_size: int):
 
 def ones4(worker_id: int, batch_size: int):
     return rows_of_ones()
+
+
+def four_tiny_then_block(worker_id: int, batch_size: int):
+    """Four chunks of 2 rows (a quarter of a batch of 8) at once, then a call that blocks for long."""
+    n = _STRING_CALLS[("held", worker_id)] = _STRING_CALLS.get(("held", worker_id), 0) + 1
+    if n <= 4:
+        return [np.full(2, worker_id * 100 + n, np.int64)]
+    time.sleep(10)  # waits for new input, for a long time
+    raise StopIteration
