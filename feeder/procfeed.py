@@ -233,13 +233,8 @@ class ProcFetchers:
                         getattr(p, action)()
                     except (OSError, ValueError):
                         pass
-        for p in procs:
+        for p in procs:  # joined: none is left a zombie (Process.close() is left to GC: receivers may still ask)
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.exitcode is not None:
-                try:
-                    p.close()
-                except ValueError:
-                    pass
 
     # ---- the receiver thread ----------------------------------------------------------------
     def _receive(self, w: _Worker) -> None:

@@ -11,8 +11,9 @@
 * runs ``worker_init_fun(worker_id)``, then calls ``fetch_fun`` until ``StopIteration``, a
   fatal error, or the parent's stop;
 * validates each chunk with the source's validator (a copy of the parent's, with what it had
-  learned when the process started), casts where ``cast=True``, and, like a fetcher thread,
-  coalesces tiny chunks into whole batches (not for ordered sources nor ``dont_rebatch``);
+  learned when the process started), casts where ``cast=True``, and coalesces chunks smaller
+  than a batch into whole batches (not for ordered sources nor ``dont_rebatch``): the copy into
+  shared memory is then the only copy, and the parent hands the batch on without one;
 * writes the arrays once into a free slot of its ring (``feeder.shm``) and sends the parent
   their layout; it waits while ``MAX_INFLIGHT`` chunks are not yet queued by the parent
   (back-pressure: a full source stops the process) or while no slot is free.
@@ -57,11 +58,11 @@ from .shm import (
 
 COALESCE_HOLD_S = 0.02        # longest rows wait in the child for more rows to make a batch
 COALESCE_SLOW_CALL_S = 0.002  # a call slower than this puts rows as they come
-COALESCE_FRACTION = 4         # chunks of at most 1/4 batch are coalesced
-WAIT_S = 0.0005               # first sleep while waiting for a slot or for the parent to queue
-WAIT_MAX_S = 0.005            # ... doubling up to this
+WAIT_S = 0.0001               # first sleep while waiting for a slot or for the parent to queue
+WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microseconds; oversleeping costs rows)
 PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
 STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
+CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
 
 
@@ -98,6 +99,7 @@ class _Child:
         self.t0 = time.monotonic()
         self.cpu0 = time.thread_time()
         self.cpu_s = 0.0
+        self.cpu_due = 0.0
         # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
         self.fetch_s = 0.0
@@ -135,7 +137,9 @@ class _Child:
 
     def stats(self) -> Tuple[Any, ...]:
         now = time.monotonic()
-        if threading.get_ident() == self.main_ident:
+        if now >= self.cpu_due and threading.get_ident() == self.main_ident:
+            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message
+            self.cpu_due = now + CPU_SAMPLE_S
             self.cpu_s = time.thread_time() - self.cpu0
         return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
                 self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since)
@@ -385,7 +389,9 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                 continue
             child.chunks += 1
             child.rows += rows
-            if not coalesce or rows * COALESCE_FRACTION > bs:
+            # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
+            # assembling whole batches here costs nothing extra and saves the parent its copy.
+            if not coalesce or rows >= bs or any(a.dtype.hasobject for a in arrays):  # objects: pickled as they are
                 if not child.flush() or not child.put([(arrays, rows)], rows, 1, axes):
                     return
             else:

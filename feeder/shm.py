@@ -42,7 +42,7 @@ CONTROL_BYTES = FIELDS * 8 + MAX_SLOTS
 ALIGN = 64              # array offsets within a slot: cache-line aligned
 GRANULE = 64 * 1024     # segment sizes are rounded up to this
 MAX_INFLIGHT = 4        # chunks a child may have sent beyond those the parent has queued
-KEEP_FREE = 8           # free segments a child keeps for reuse; more are given back
+KEEP_FREE = 8           # free segments a child keeps for reuse; beyond twice that, the extra are given back
 
 
 def new_fd(size: int, name: str = "feeder") -> int:
@@ -176,7 +176,7 @@ class SegmentRing:
     def trim(self) -> List[int]:
         """Give back free segments beyond KEEP_FREE; returns their slots (the parent unmaps them)."""
         free = self._free_slots()
-        if len(free) <= KEEP_FREE:
+        if len(free) <= 2 * KEEP_FREE:  # hysteresis: a burst of releases must not cost new segments next
             return []
         extra = sorted(free, key=lambda s: self.sizes[s])[:len(free) - KEEP_FREE]
         for s in extra:

@@ -27,10 +27,15 @@ def register(coord, fetch, batch_size, names=("x",), **kw):
 
 
 def gone(pid: int) -> bool:
-    """The process no longer exists (not even as a zombie)."""
+    """The process no longer exists, not even as a zombie (its parent reaped it)."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def exited(pid: int) -> bool:
+    """The process has ended: gone, or a zombie waiting for whoever adopted it to reap it."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return "State:\tZ" in f.read() and False
+            return "State:\tZ" in f.read()
     except FileNotFoundError:
         return True
 
@@ -363,7 +368,7 @@ def test_children_exit_by_themselves_when_the_parent_is_killed():
         pids = [int(p) for p in read_line(proc, "pids").split()[1:]]
         proc.send_signal(signal.SIGKILL)
         proc.wait(5)
-        wait_until(lambda: all(gone(p) for p in pids), timeout=2.0, what="worker processes to exit")
+        wait_until(lambda: all(exited(p) for p in pids), timeout=2.0, what="worker processes to exit")
     finally:
         proc.kill()
         proc.communicate()
