@@ -339,13 +339,14 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
     monotonic = time.monotonic
     lock = child.lock
     stats_due = monotonic() + STATS_S
+    stop = child.stop
     lock.acquire()  # released only around fetch_fun (see _Child.lock)
     try:
-        while not child.stopped():
+        while not stop.is_set() and not fields[STOP]:
             if not fields[GO]:
                 if not child.flush() or not child.wait_go():
                     return
-            bs = int(fields[BATCH_SIZE])
+            bs = fields[BATCH_SIZE]
             status.state = "in fetch_fun"
             status.since = t0 = monotonic()
             child.calls += 1
@@ -373,7 +374,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             now = monotonic()
             slow = now - t0 > COALESCE_SLOW_CALL_S
             child.fetch_s += now - t0
-            status.set("processing a chunk")
+            status.state, status.since = "processing a chunk", now
             if raw is None:
                 child.none_chunks += 1
                 child.send("none")
@@ -391,7 +392,9 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             child.rows += rows
             # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
             # assembling whole batches here costs nothing extra and saves the parent its copy.
-            if not coalesce or rows >= bs or any(a.dtype.hasobject for a in arrays):  # objects: pickled as they are
+            # Object arrays (strings) are pickled as they come; only string inputs can hold them, and
+            # a validator with a fast path (every dtype fixed) has none.
+            if not coalesce or rows >= bs or (validator._fast is None and any(a.dtype.hasobject for a in arrays)):
                 if not child.flush() or not child.put([(arrays, rows)], rows, 1, axes):
                     return
             else:

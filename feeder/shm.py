@@ -76,8 +76,10 @@ class ControlPage:
 
     def __init__(self, mm: mmap.mmap):
         self.mm = mm
-        self.fields = np.frombuffer(mm, dtype=np.int64, count=FIELDS)
-        self.busy = np.frombuffer(mm, dtype=np.uint8, count=MAX_SLOTS, offset=FIELDS * 8)
+        # memoryviews, not numpy arrays: an item costs ~30 ns instead of ~100 (read per fetch_fun call)
+        view = memoryview(mm)
+        self.fields = view[:FIELDS * 8].cast("q")
+        self.busy = view[FIELDS * 8:FIELDS * 8 + MAX_SLOTS]
 
     def release(self, slot: int) -> None:
         """Hand a slot back to the child (called by a finalizer: no lock, no system call)."""
