@@ -434,3 +434,13 @@ def test_rows_held_for_coalescing_do_not_wait_on_a_blocking_fetch(coord):
     coord.start()
     batch = coord.feed("train").next_batch(timeout=3)  # the fetched rows make one whole batch
     assert sorted(batch["x"].tolist()) == sorted(w * 100 + n for w in range(2) for n in (1, 2, 3, 4) for _ in range(2))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_start_methods_by_name_and_as_a_context(coord, method):
+    import multiprocessing
+    register(coord, Sharded(300, 1, sizes=(7,)), 10, names=("id", "x"), num_worker_processes=1,
+             mp_context=method if method == "spawn" else multiprocessing.get_context(method))
+    coord.start()
+    got = [i for b in coord.feed("train") for i in check_aligned(b).tolist()]
+    assert got == list(range(300))
