@@ -25,6 +25,7 @@ even by SIGKILL, and the parent pid changes when it is reparented.
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import pickle
 import random
@@ -62,6 +63,7 @@ WAIT_S = 0.0001               # first sleep while waiting for a slot or for the 
 WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microseconds; oversleeping costs rows)
 PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
 STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
+TRIM_EVERY = 32               # chunks between two looks for free segments to give back
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
 
@@ -228,7 +230,7 @@ class _Child:
                 offsets.append(None)  # pickled with the message
                 continue
             offsets.append(total)
-            total += -(-int(np.prod(s, dtype=np.int64)) * d.itemsize // ALIGN) * ALIGN
+            total += -(-math.prod(s) * d.itemsize // ALIGN) * ALIGN
         fields = self.control.fields
         if not self._wait(lambda: self.sent - int(fields[ACKED]) < MAX_INFLIGHT, "waiting for queue space", wait):
             return False
@@ -266,9 +268,10 @@ class _Child:
             for fd in fds:
                 os.close(fd)
         self.sent += 1
-        trimmed = self.ring.trim()
-        if trimmed:
-            self.send("drop", trimmed)
+        if not self.sent % TRIM_EVERY:
+            trimmed = self.ring.trim()
+            if trimmed:
+                self.send("drop", trimmed)
         return True
 
 
@@ -421,22 +424,24 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
 
 def _take(pending: List[Tuple[Tuple[np.ndarray, ...], int]], n: int,
           axes: Tuple[int, ...]) -> Tuple[List[Tuple[Tuple[np.ndarray, ...], int]], int]:
-    """Remove the first ``n`` rows from ``pending`` (splitting a piece if needed); returns them and
-    how many of fetch_fun's chunks they stand for."""
-    out: List[Tuple[Tuple[np.ndarray, ...], int]] = []
+    """Remove the first ``n`` rows from ``pending`` (in place, splitting a piece if needed); returns
+    them and how many of fetch_fun's chunks they stand for."""
     need = n
-    chunks = 0
-    while need:
+    k = 0
+    for _, rows in pending:
+        if rows > need:
+            break
+        need -= rows
+        k += 1
+        if not need:
+            break
+    out = pending[:k]
+    del pending[:k]
+    if need:
         arrays, rows = pending[0]
-        if rows <= need:
-            out.append(pending.pop(0))
-            need -= rows
-            chunks += 1
-        else:
-            out.append((tuple(_rows(a, ax, 0, need) for a, ax in zip(arrays, axes)), need))
-            pending[0] = (tuple(_rows(a, ax, need, rows) for a, ax in zip(arrays, axes)), rows - need)
-            need = 0
-    return out, max(1, chunks)
+        out.append((tuple(_rows(a, ax, 0, need) for a, ax in zip(arrays, axes)), need))
+        pending[0] = (tuple(_rows(a, ax, need, rows) for a, ax in zip(arrays, axes)), rows - need)
+    return out, max(1, k)
 
 
 def _rows(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:

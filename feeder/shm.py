@@ -22,6 +22,7 @@ frees a slot can run in any thread, even in the middle of garbage collection.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pickle
@@ -194,7 +195,7 @@ class SegmentRing:
             pass
 
     def view(self, slot: int, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         return np.frombuffer(self.maps[slot], dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
@@ -210,7 +211,7 @@ def arrays_from_slot(mm: Optional[mmap.mmap], layout: Layout,
             continue
         _, offset, dtype, shape = entry
         dt = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        n = math.prod(shape) * dt.itemsize
         assert base is not None
         out.append(base[offset:offset + n].view(dt).reshape(shape))
     return tuple(out), base
