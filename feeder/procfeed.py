@@ -129,6 +129,40 @@ class _Worker:
         self.stack_event = threading.Event()
         self.batch_size = 0
         self.go = True
+        self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see procworker)
+        self.stacks_read = 0
+
+    def fault_stacks(self, wait_s: float = 0.2) -> str:
+        """Every thread's stack, written by faulthandler on SIGUSR1 (works while the child holds
+        the GIL in C code); '' if it cannot be had."""
+        fd, pid = self.stacks_fd, self.pid
+        if fd is None or pid is None:
+            return ""
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + wait_s
+            size = self.stacks_read
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+                new = os.fstat(fd).st_size
+                if new > size and new == size + len(os.pread(fd, new - size, size)):
+                    size = new
+                    time.sleep(0.02)  # let it finish writing the other threads
+                    break
+            size = os.fstat(fd).st_size
+            text = os.pread(fd, size - self.stacks_read, self.stacks_read).decode("utf-8", "replace")
+            self.stacks_read = size
+            return text
+        except OSError:
+            return ""
+
+    def close_stacks(self) -> None:
+        if self.stacks_fd is not None:
+            try:
+                os.close(self.stacks_fd)
+            except OSError:
+                pass
+            self.stacks_fd = None
 
 
 class ProcFetchers:
@@ -257,7 +291,8 @@ class ProcFetchers:
             source.discarded(state.rows - state.rows_put, fetched=True)
             if w.chan is not None:
                 w.chan.close()
-            w.maps.clear()  # views a consumer still holds keep their own mapping alive
+            w.maps.clear()
+            w.close_stacks()  # views a consumer still holds keep their own mapping alive
 
     def _receive_loop(self, w: _Worker) -> None:
         chan, state, source = w.chan, w.state, self.source
@@ -291,7 +326,8 @@ class ProcFetchers:
                         return
             elif kind == "hello":
                 w.pid = msg[1]
-                w.control = ControlPage(map_fd(chan.recv_fds(1)[0], msg[2]))
+                control_fd, w.stacks_fd = chan.recv_fds(2)
+                w.control = ControlPage(map_fd(control_fd, msg[2]))
                 w.control.fields[BATCH_SIZE] = w.batch_size
                 if self._throttle is not None:
                     w.go = state.worker_id in self._throttle.active
@@ -457,10 +493,16 @@ class ProcFetchers:
                 else state.state
             busy = time.monotonic() - (w.child_since if alive else state.since)
             text = f"worker {state.worker_id} {what} for {busy:.1f} s (call #{state.calls}, process pid {w.pid})"
-            if alive and what == IN_FETCH and busy >= stack_after_s:
-                if w.stack_event.is_set() and w.stack:
-                    lines_ = w.stack.rstrip("\n").splitlines()[-2 * frames:]
-                    text += "; stack (innermost last):\n" + "\n".join("    " + ln for ln in lines_)
+            replied = w.stack_event.is_set()
+            if alive and replied and what == IN_FETCH and busy >= stack_after_s and w.stack:
+                lines_ = w.stack.rstrip("\n").splitlines()[-2 * frames:]
+                text += "; stack (innermost last):\n" + "\n".join("    " + ln for ln in lines_)
+            elif alive and not replied and busy >= stack_after_s:
+                dump = w.fault_stacks()
+                if dump:  # faulthandler's format: most recent call first, every thread
+                    shown = dump.strip().splitlines()[:4 * frames]
+                    text += ("; it did not answer (C code holding the GIL?); faulthandler's stacks, most recent "
+                             "call first:\n" + "\n".join("    " + ln for ln in shown))
                 else:
                     text += "; no stack: the process did not answer (busy in C code holding the GIL?)"
             lines.append(text)

@@ -64,6 +64,7 @@ WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microse
 PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
 STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
 TRIM_EVERY = 32               # chunks between two looks for free segments to give back
+STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
 
@@ -299,7 +300,14 @@ def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int]
     faulthandler.enable()
     ppid = os.getppid()
     chan = Channel(conn)
-    control = ControlPage(map_fd(_dup_keep(new_fd(CONTROL_BYTES, "feeder-control"), chan), CONTROL_BYTES))
+    # Stacks on request even when the main thread holds the GIL in C code (where the control
+    # thread cannot answer): SIGUSR1 makes faulthandler write every thread's stack into this
+    # anonymous file, which the parent reads through its own descriptor.
+    stacks = new_fd(STACKS_BYTES, "feeder-stacks")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    control_fd = new_fd(CONTROL_BYTES, "feeder-control")
+    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    control = ControlPage(map_fd(control_fd, CONTROL_BYTES))
     control.fields[BATCH_SIZE] = batch_size
     control.fields[GO] = 1
     child = _Child(chan, control, worker_id)
@@ -325,12 +333,6 @@ def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int]
             child.send("bye")
         except OSError:
             pass
-
-
-def _dup_keep(fd: int, chan: Channel) -> int:
-    """Send the control page's fd to the parent (the first message), keep a duplicate to map."""
-    chan.send(("hello", os.getpid(), CONTROL_BYTES), (fd,))
-    return fd
 
 
 def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: bool) -> None:

@@ -444,3 +444,13 @@ def test_start_methods_by_name_and_as_a_context(coord, method):
     coord.start()
     got = [i for b in coord.feed("train") for i in check_aligned(b).tolist()]
     assert got == list(range(300))
+
+
+def test_a_process_stuck_in_c_code_holding_the_gil_still_shows_its_stack(coord):
+    register(coord, utils.regex_forever, 4, num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.FeedTimeout) as info:
+        coord.feed("train").next_batch(timeout=1.2)
+    msg = str(info.value)
+    assert "faulthandler" in msg and "regex_forever" in msg, msg
+    assert coord.stop() is True  # SIGTERM ends it: its control thread never gets the GIL

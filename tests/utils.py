@@ -266,3 +266,9 @@ def four_tiny_then_block(worker_id: int, batch_size: int):
         return [np.full(2, worker_id * 100 + n, np.int64)]
     time.sleep(10)  # waits for new input, for a long time
     raise StopIteration
+
+
+def regex_forever(worker_id: int, batch_size: int):
+    """Holds the GIL in C code (catastrophic backtracking in the regex engine) for a very long time."""
+    import re
+    re.match(r"(a+)+$", "a" * 64 + "b")
