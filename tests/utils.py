@@ -272,3 +272,18 @@ def regex_forever(worker_id: int, batch_size: int):
     """Holds the GIL in C code (catastrophic backtracking in the regex engine) for a very long time."""
     import re
     re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+class Cycle:
+    """Chunks of ``sizes`` rows (cycled, per worker): ``seq`` [2, n, 4] batched on axis 1 holding the row id,
+    ``y`` [n] the same ids."""
+
+    def __init__(self, sizes):
+        self.sizes = list(sizes)
+        self._k = {}
+
+    def __call__(self, worker_id: int, batch_size: int):
+        k = self._k[worker_id] = self._k.get(worker_id, 0) + 1
+        n = self.sizes[(k - 1) % len(self.sizes)]
+        ids = np.arange(n, dtype=np.int64) + 1000 * k
+        return [np.broadcast_to(ids[None, :, None], (2, n, 4)).astype(np.float32), ids]
