@@ -287,3 +287,13 @@ class Cycle:
         n = self.sizes[(k - 1) % len(self.sizes)]
         ids = np.arange(n, dtype=np.int64) + 1000 * k
         return [np.broadcast_to(ids[None, :, None], (2, n, 4)).astype(np.float32), ids]
+
+
+class Const:
+    """Returns the same chunk at every call (module-level: worker processes can run it)."""
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+
+    def __call__(self, worker_id: int, batch_size: int):
+        return self.chunk
