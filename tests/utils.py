@@ -297,3 +297,7 @@ class Const:
 
     def __call__(self, worker_id: int, batch_size: int):
         return self.chunk
+
+
+def batch_of_64k(worker_id: int, batch_size: int):
+    return [np.ones((batch_size, 16 * 1024 // batch_size), np.float32)]
