@@ -395,6 +395,15 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                 continue
             child.chunks += 1
             child.rows += rows
+            held = child.pending_rows
+            if held + rows < bs and not slow and coalesce and validator._fast is not None \
+                    and (not held or now - child.held_since <= COALESCE_HOLD_S):
+                # the common case, inline: a small chunk that does not complete a batch is just held
+                if not held:
+                    child.held_since = now
+                child.pending.append((arrays, rows))
+                child.pending_rows = held + rows
+                continue
             # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
             # assembling whole batches here costs nothing extra and saves the parent its copy.
             # Object arrays (strings) are pickled as they come; only string inputs can hold them, and

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from utils import Dataset, FailAt, ListLogger, Sharded, ones4, wait_until, workers
+from utils import Dataset, FailAt, ListLogger, Sharded, ones4, until, wait_until, workers
 
 import feeder
 import feeder.feed
@@ -48,7 +48,7 @@ def test_fetch_error_on_one_worker_reaches_the_consumer_with_its_cause(coord, mo
     coord.start()
     feed = coord.feed("train")
     with pytest.raises(feeder.FetchError) as info:
-        for _ in range(1000):
+        for _ in until(20):  # a worker process may start later than the others
             feed.next_batch()
     err = info.value
     assert same_exception(err.__cause__, boom, mode)
@@ -66,7 +66,7 @@ def test_fetch_error_is_sticky_for_every_replica(coord, mode):
     coord.start()
     a, b = coord.feeds("train")
     with pytest.raises(feeder.FetchError):
-        for _ in range(1000):
+        for _ in until(20):  # a worker process may start later than the others
             a.next_batch()
     with pytest.raises(feeder.FetchError) as info:
         b.next_batch()

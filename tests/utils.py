@@ -301,3 +301,10 @@ class Const:
 
 def batch_of_64k(worker_id: int, batch_size: int):
     return [np.ones((batch_size, 16 * 1024 // batch_size), np.float32)]
+
+
+def until(seconds: float):
+    """Iterate for ``seconds`` (a loop bounded in time, not in iterations)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        yield
