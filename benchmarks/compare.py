@@ -7,6 +7,13 @@ carry over between machines: everything here runs on the same cores at the same 
     python benchmarks/compare.py                  # everything, about 3-4 minutes on 2 cores
     python benchmarks/compare.py --scenarios a b  --seconds 1 --repeat 1
     python benchmarks/compare.py --parquet        # ParquetSource vs pyarrow, Ray Data, torch (sources.py)
+    python benchmarks/compare.py --scenarios p a b --peers feeder "feeder procs" serial torch --real-files -1
+
+Worker processes (issue 10): scenario ``p`` (a CPU-heavy pure-Python fetch next to an MLP on one
+intra-op thread) runs feeder with 2 processes and 2 threads, the DataLoader with 2 workers and
+the serial loop, and computes the two-core limit 2 / (1/fetch alone + 1/model alone) in the same
+run; scenarios ``a`` and ``b`` get a "feeder procs" column too; the start-up time (``start()`` to
+the first batch with 2 processes) is measured once per run.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from cpu_fetch import TokenFetch  # noqa: E402
 from peers import SeedFeeder, serial_batches, torch_loader  # noqa: E402
 
 import feeder  # noqa: E402
@@ -103,13 +111,18 @@ class Scenario:
     targets: Dict[str, float] = field(default_factory=dict)  # peer -> minimum feeder/peer ratio
     warmup_s: float = 0.5  # seconds before measuring: steady state, threads started, queues full, tuner settled
     sweep: bool = False  # a concurrency sweep (issue 14): 1, 2, 3 and "auto" fetcher threads, and the serial loop
+    proc_targets: Dict[str, float] = field(default_factory=dict)  # peer -> minimum (feeder procs)/peer ratio
+
+    @property
+    def pool(self):
+        return getattr(self.fetch, "pool", None)
 
     @property
     def row_bytes(self) -> int:
-        return self.fetch.pool[0].nbytes
+        return self.fetch.pool[0].nbytes if self.pool is not None else 4 * getattr(self.fetch, "width", 0)
 
     def fetch_capacity(self) -> Optional[float]:
-        if not self.fetch.sleep_s:
+        if not getattr(self.fetch, "sleep_s", 0):
             return None
         return self.workers * self.fetch.rows_per_fetch / self.fetch.sleep_s
 
@@ -118,9 +131,10 @@ def scenarios() -> List[Scenario]:
     mlp = mlp_model(256, 1024, 10)
     return [
         Scenario("a", "tiny chunks: 1-8 rows of 256 float32, batch 256, no model", PoolFetch((256,), 1, 8), 256,
-                 targets={"seed": 5.0, "torch": 2.0}),
+                 targets={"seed": 5.0, "torch": 2.0}, proc_targets={"serial": 1.0}),
         Scenario("b", "large rows: 64-row chunks of 3x64x64 float32, batch 128, no model",
-                 PoolFetch((3, 64, 64), 64, 64, pool_rows=1024), 128, targets={"memcpy": 0.7, "torch": 3.0}),
+                 PoolFetch((3, 64, 64), 64, 64, pool_rows=1024), 128, targets={"memcpy": 0.7, "torch": 3.0},
+                 proc_targets={"serial": 0.8}),
         Scenario("c", "fetch-bound: 64 rows of 256 float32 per 5 ms fetch, 2 workers, batch 128, no model",
                  PoolFetch((256,), 64, 64, sleep_s=0.005), 128, targets={"fetch capacity": 0.95}),
         Scenario("d", "model-bound: 1-64 rows of 256 float32, MLP 256-1024-1024-10 (1 intra-op thread), batch 256",
@@ -143,6 +157,11 @@ def scenarios() -> List[Scenario]:
                  PoolFetch((256,), 32, 32, sleep_s=0.004, copy=True), 256, model=mlp, warmup_s=2.0, sweep=True),
         Scenario("s-cpu", "CPU-heavy: 1 ms of Python per 64 rows of 256 float32, MLP (1 intra-op thread), batch 256",
                  PoolFetch((256,), 64, 64, cpu_s=0.001, copy=True), 256, model=mlp, warmup_s=2.0, sweep=True),
+        # Worker processes: pure-Python token counting (~1 ms per 32 rows of 1024 float32) and an MLP.
+        Scenario("p", "CPU-heavy pure-Python fetch (token counting, ~1 ms per 32 rows of 1024 float32) + MLP "
+                 "1024-256-256-10 (1 intra-op thread), 2 workers, batch 256",
+                 TokenFetch(), 256, model=mlp_model(1024, 256, 10), threads="1",
+                 proc_targets={"two-core limit": 0.8, "torch": 1.4, "feeder": 1.6}),
     ]
 
 
@@ -200,6 +219,42 @@ def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = N
         return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
 
 
+def peer_feeder_procs(sc: Scenario, seconds: float) -> float:
+    """feeder with ``sc.workers`` worker processes (forkserver) instead of threads."""
+    session = make_session(sc.model, sc.threads) if sc.model else None
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, num_worker_processes=sc.workers,
+                                   coordinator=coord, timeout=60)
+    with coord:
+        feed = coord.feed("train")
+        if session is None:
+            return timed(iter(lambda: feed.next_batch(), None), seconds, lambda b: len(b["x"]))
+        bs = sc.batch_size
+        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs)
+
+
+def limit_fetch(sc: Scenario, seconds: float) -> float:
+    """fetch_fun alone on one core: rows/s it produces, nothing else."""
+    return timed(iter(lambda: sc.fetch(0, sc.batch_size), None), seconds, lambda chunk: len(chunk[0]))
+
+
+def startup(repeat: int = 3, workers: int = 2) -> Dict[str, float]:
+    """Seconds from ``start()`` to the first batch with ``workers`` processes: the first run of the
+    interpreter (the forkserver starts then) and the best of the later ones."""
+    fetch = PoolFetch((256,), 64, 64, pool_rows=1024)
+    times = []
+    for _ in range(repeat):
+        coord = feeder.GlobalCoordinator()
+        feeder.init_data_input_workers(None, ["x"], fetch, 64, num_worker_processes=workers, coordinator=coord,
+                                       timeout=60)
+        t0 = time.perf_counter()
+        coord.start()
+        coord.feed("train").next_batch()
+        times.append(time.perf_counter() - t0)
+        coord.stop()
+    return {"first_s": times[0], "warm_s": min(times[1:]) if len(times) > 1 else times[0]}
+
+
 def peer_serial(sc: Scenario, seconds: float) -> float:
     session = make_session(sc.model, sc.threads) if sc.model else None
     return timed(serial_batches(sc.fetch, sc.batch_size), seconds, consumer(sc, session), warmup_s=sc.warmup_s)
@@ -243,13 +298,20 @@ def limit_memcpy(sc: Scenario, seconds: float) -> float:
 
 def limit_model(sc: Scenario, seconds: float) -> float:
     session = make_session(sc.model, sc.threads)
-    ready = [sc.fetch.pool[i * sc.batch_size:(i + 1) * sc.batch_size] for i in range(8)]
+    if sc.pool is not None:
+        ready = [sc.fetch.pool[i * sc.batch_size:(i + 1) * sc.batch_size] for i in range(8)]
+    else:  # a computed workload (scenario p): eight batches of its output
+        per = -(-sc.batch_size // sc.fetch.rows_per_fetch)
+        ready = [np.concatenate([sc.fetch(0, sc.batch_size)[0] for _ in range(per)])[:sc.batch_size]
+                 for _ in range(8)]
     return timed(iter(lambda: [ready[random.randrange(8)]], None), seconds, consumer(sc, session))
 
 
 PEERS = {"feeder": peer_feeder, "serial": peer_serial, "seed": peer_seed, "torch": peer_torch}
 DEFAULT_SCENARIOS = ["a", "b", "c", "d", "d-spin"]
 SWEEP_SCENARIOS = ["s-tiny", "s-large", "s-io", "s-cpu"]
+PROC_SCENARIOS = {"a", "b", "p"}  # scenarios with a "feeder procs" column (worker processes)
+DEFAULT_SCENARIOS = ["a", "b", "c", "d", "d-spin", "p"]
 
 
 # ---- the real workload: Magika's content-type model over the standard library -------------------
@@ -329,7 +391,15 @@ def run(args) -> dict:
         else:
             runners = [(name, fn) for name, fn in PEERS.items()
                        if not (name == "torch" and not have_torch) and not (args.peers and name not in args.peers)]
-        runners.append(("memcpy", limit_memcpy) if sc.model is None else ("model alone", limit_model))
+            if sc.key in PROC_SCENARIOS and not (args.peers and "feeder procs" not in args.peers):
+                runners.insert(1, ("feeder procs", peer_feeder_procs))
+        if sc.key == "p":
+            runners = [(n, f) for n, f in runners if n != "seed"]  # the seed design adds nothing here
+            runners.append(("fetch alone", limit_fetch))
+        if sc.model is None:
+            runners.append(("memcpy", limit_memcpy))
+        else:
+            runners.append(("model alone", limit_model))
         r: Dict[str, float] = {}
         for _ in range(args.repeat):
             for name, fn in runners:
@@ -341,10 +411,18 @@ def run(args) -> dict:
         if sc.sweep:
             results[sc.key] = sweep_result(sc, r)
             continue
-        ratios = {peer: r["feeder"] / v for peer, v in r.items() if peer != "feeder" and v and "feeder" in r}
+        if r.get("fetch alone") and r.get("model alone"):
+            r["two-core limit"] = 2.0 / (1.0 / r["fetch alone"] + 1.0 / r["model alone"])
+        ratios = {peer: r["feeder"] / v for peer, v in r.items()
+                  if peer not in ("feeder", "feeder procs") and v and "feeder" in r}
         checks = {peer: {"ratio": ratios[peer], "target": t, "met": ratios[peer] >= t}
                   for peer, t in sc.targets.items() if peer in ratios}
+        procs = {peer: r["feeder procs"] / v for peer, v in r.items()
+                 if peer != "feeder procs" and v and "feeder procs" in r}
+        proc_checks = {peer: {"ratio": procs[peer], "target": t, "met": procs[peer] >= t}
+                       for peer, t in sc.proc_targets.items() if peer in procs}
         results[sc.key] = {"title": sc.title, "rows_per_s": r, "feeder_over": ratios, "targets": checks,
+                           "procs_over": procs, "proc_targets": proc_checks,
                            "batch_bytes": sc.batch_size * sc.row_bytes}
     return results
 
@@ -375,6 +453,20 @@ def sweep_table(results: dict) -> str:
         goals = ", ".join(f"{k} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
                           for k, c in res["targets"].items())
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {goals} |")
+def proc_table(results: dict) -> str:
+    """Worker processes: rows/s of every peer and (feeder procs)/peer, for the scenarios that ran them."""
+    cols = ["feeder procs", "feeder", "serial", "torch", "fetch alone", "model alone", "two-core limit", "memcpy"]
+    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | feeder procs / peer | targets |",
+             "|---" * (len(cols) + 3) + "|"]
+    for key, res in results.items():
+        if "feeder procs" not in res["rows_per_s"]:
+            continue
+        r = res["rows_per_s"]
+        cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
+        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res["procs_over"].items())
+        targets = ", ".join(f"{p} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
+                            for p, c in res["proc_targets"].items()) or "-"
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {targets} |")
     return "\n".join(lines)
 
 
@@ -397,10 +489,10 @@ def table(results: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", nargs="*",
-                   help="subset of: a b c d d-spin e-1 e-spin e-nospin " + " ".join(SWEEP_SCENARIOS))
+                   help="subset of: a b c d d-spin e-1 e-spin e-nospin p " + " ".join(SWEEP_SCENARIOS))
     p.add_argument("--sweep", action="store_true",
                    help="also run the concurrency sweeps (1, 2, 3, auto fetcher threads): " + " ".join(SWEEP_SCENARIOS))
-    p.add_argument("--peers", nargs="*", help="subset of: feeder serial seed torch (limits always run)")
+    p.add_argument("--peers", nargs="*", help="subset of: feeder 'feeder procs' serial seed torch (limits always run)")
     p.add_argument("--seconds", type=float, default=1.5, help="measuring time per peer and repeat")
     p.add_argument("--repeat", type=int, default=3, help="runs per peer, interleaved; the best is kept")
     p.add_argument("--real-files", type=int, default=2500,
@@ -415,6 +507,7 @@ def main() -> int:
         import sources
         return sources.main(["--seconds", str(max(args.seconds, 10.0))])
     t0 = time.monotonic()
+    start_up = startup() if not args.peers or "feeder procs" in args.peers else None
     results = run(args)
     real = real_workload(args.real_files, args.real_replicas) if args.real_files >= 0 else None
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -435,6 +528,12 @@ def main() -> int:
     if any(res.get("sweep") for res in results.values()):
         print("\nconcurrency sweeps (issue 14):\n")
         print(sweep_table(results))
+    if any("feeder procs" in res["rows_per_s"] for res in results.values()):
+        print("\nworker processes (feeder procs = num_worker_processes=2):")
+        print(proc_table(results))
+    if start_up:
+        print(f"\nstart-up, start() to the first batch with 2 worker processes: {start_up['first_s']:.2f} s the first "
+              f"time (the forkserver starts), {start_up['warm_s']:.2f} s after that (target <= 1 s)")
     if real:
         print(f"\nreal workload, Magika's model over {real['files']:.0f} standard-library files "
               f"({real['model rows']:.0f} through the model), {real['replicas']:.0f} replica(s):")
@@ -447,7 +546,7 @@ def main() -> int:
     meta["wall_s"] = round(time.monotonic() - t0, 1)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": results, "real_workload": real}, f, indent=2)
+        json.dump({"meta": meta, "results": results, "real_workload": real, "startup": start_up}, f, indent=2)
     print(f"\nwritten to {args.json}")
     return 0
 

@@ -1,6 +1,6 @@
 """Content-type detection of every file under a folder with Magika's real ONNX model, fed by feeder.
 
-Run:  python examples/classify_files.py [DIR] [--workers N] [--batch-size N] [--replicas N] [--limit N]
+Run:  python examples/classify_files.py [DIR] [--workers N | --processes N] [--batch-size N] [--replicas N] [--limit N]
       (needs ``pip install magika``; DIR defaults to the Python standard library folder,
       without its site-packages/dist-packages)
 
@@ -64,11 +64,14 @@ import collections
 import errno
 import importlib.util
 import json
+import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
 import stat
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -326,6 +329,70 @@ class _Job:
                 on_batch()
 
 
+class _ShardFetch:
+    """The fetch step for worker processes (``--processes N``): reading and feature extraction
+    run in the processes, past the GIL.
+
+    A process has its own copy of this object, so there is no shared cursor: chunk ``c`` of the
+    path list (``files_per_chunk`` paths) belongs to worker ``c % shards`` (worker ids of a private
+    coordinator start at 0). Labels decided without the model (empty, tiny, unreadable files) are
+    sent to the parent over ``labels[worker_id]``, one pipe per worker (no locks, no named
+    semaphores), with a ``None`` at its end; the parent drains them in a thread (see ``classify``).
+    """
+
+    def __init__(self, paths: Sequence[PathLike], cfg: MagikaConfig, files_per_chunk: int, shards: int,
+                 labels: Sequence[Connection]):
+        self.paths = list(paths)
+        self.cfg = cfg
+        self.files_per_chunk = files_per_chunk
+        self.shards = shards
+        self.labels = labels
+        self._next: Dict[int, int] = {}
+
+    def __call__(self, worker_id: int, batch_size: int):
+        cfg, n = self.cfg, self.files_per_chunk
+        while True:
+            c = self._next.get(worker_id, worker_id)
+            start, stop = c * n, min(len(self.paths), (c + 1) * n)
+            if start >= len(self.paths):
+                self.labels[worker_id].send(None)
+                raise StopIteration
+            self._next[worker_id] = c + self.shards
+            feats = np.full((stop - start, cfg.width), cfg.padding_token, dtype=np.int32)
+            index = np.empty(stop - start, dtype=np.int64)
+            decided = []
+            k = 0
+            for i in range(start, stop):
+                label = features_or_label(self.paths[i], cfg, feats[k])
+                if label is None:
+                    index[k] = i
+                    k += 1
+                else:
+                    decided.append((i, label))
+            if decided:
+                self.labels[worker_id].send(decided)
+            if k:
+                return {BYTES_INPUT: feats[:k], INDEX_INPUT: index[:k]}
+
+
+def _drain_labels(job: _Job, labels: Sequence[Connection], stop: threading.Event) -> None:
+    """Write the labels the worker processes decided without the model, until every worker ended."""
+    open_ = list(labels)
+    while open_ and not stop.is_set():
+        for conn in mp_connection.wait(open_, timeout=0.1):
+            try:
+                item = conn.recv()
+            except EOFError:  # a worker process died: the feed reports it
+                item = None
+            if item is None:
+                open_.remove(conn)
+                conn.close()
+                continue
+            for i, label in item:
+                job.labels[i] = label
+            job.add_done(len(item))
+
+
 def default_replicas() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -336,7 +403,8 @@ def default_replicas() -> int:
 
 def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, *, replicas: int = 1,
              session: Optional[ort.InferenceSession] = None, config: Optional[MagikaConfig] = None,
-             progress: Optional[Callable[[int, int], None]] = None, stats: Optional[dict] = None) -> List[str]:
+             progress: Optional[Callable[[int, int], None]] = None, stats: Optional[dict] = None,
+             processes: int = 0) -> List[str]:
     """Magika output labels of ``paths``, in the same order (what ``Magika().identify_paths``
     reports as ``result.output.label``, or its status such as ``"file_not_found_error"`` for a
     path it cannot read).
@@ -345,6 +413,7 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
     scored by as many threads (``feed.run()`` on one shared session). ``progress(done, total)``
     is called from the calling thread after each of its batches and at the end. ``stats``, if a
     dict, receives timings and feeder metrics. A private coordinator is used and stopped.
+    ``processes`` > 0: that many worker processes per replica read files instead of threads.
     """
     cfg = config or MagikaConfig()
     session = session or make_session()
@@ -354,12 +423,25 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
     job = _Job(paths, cfg, files_per_chunk=max(1, min(32, batch_size)))
     total = len(job.paths)
     start = time.perf_counter()
+    drain: Optional[threading.Thread] = None
+    drained = threading.Event()
     if total:
         coord = feeder.GlobalCoordinator()
+        fetch: Callable = job.fetch
+        counts: dict = {"num_worker_threads": workers}
+        if processes:
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
+            pipes = [ctx.Pipe(duplex=False) for _ in range(processes * replicas)]
+            fetch = _ShardFetch(job.paths, cfg, job.files_per_chunk, len(pipes), [w for _, w in pipes])
+            counts = {"num_worker_processes": processes, "mp_context": ctx}
+            drain = threading.Thread(target=_drain_labels, args=(job, [r for r, _ in pipes], drained),
+                                     name="classify:labels", daemon=True)
+            drain.start()
         for _ in range(replicas):
-            feeder.init_data_input_workers(session, [BYTES_INPUT, INDEX_INPUT], job.fetch, batch_size,
-                                           num_worker_threads=workers, input_source_name=SOURCE,
-                                           max_buffered_batches=64, coordinator=coord)
+            feeder.init_data_input_workers(session, [BYTES_INPUT, INDEX_INPUT], fetch, batch_size,
+                                           input_source_name=SOURCE, max_buffered_batches=64, coordinator=coord,
+                                           **counts)
         errors: List[BaseException] = []
 
         def replica(feed):
@@ -388,6 +470,11 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
                 stats["consumer_wait_s"] = sum(m["consumer_wait_s"] for m in ms)
                 stats["batches"] = sum(m["batches"] for m in ms)
                 stats["diagnosis"] = feeds[0].diagnose()  # where the time went, for the first replica
+        if drain is not None:
+            drain.join(10)  # every worker ended (the source did), so its last labels are on their way
+            drained.set()
+            for _, w in pipes:
+                w.close()
         if errors:
             raise errors[0]
     missing = [p for p, label in zip(job.paths, job.labels) if label is None]
@@ -484,6 +571,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("dir", nargs="?", default=None,
                         help="folder to scan (default: the standard library, without site-packages)")
     parser.add_argument("--workers", type=int, default=2, help="fetcher threads per replica (default 2)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="worker processes per replica instead of threads (reading and features past the GIL)")
     parser.add_argument("--batch-size", type=int, default=64, help="files per model batch (default 64)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="feeds scored in parallel, one thread and one ORT core each (default: CPU count)")
@@ -509,10 +598,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     replicas = args.replicas or default_replicas()
     cfg = MagikaConfig()
     print(f"classifying {len(paths):,} files under {root} with {model_path()}\n"
-          f"  batch size {args.batch_size}, {replicas} replica(s) x {args.workers} fetcher thread(s)", file=sys.stderr)
+          f"  batch size {args.batch_size}, {replicas} replica(s) x "
+          + (f"{args.processes} worker process(es)" if args.processes else f"{args.workers} fetcher thread(s)"),
+          file=sys.stderr)
     stats: dict = {}
     labels = classify(paths, workers=args.workers, batch_size=args.batch_size, replicas=replicas, config=cfg,
-                      progress=Progress(), stats=stats)
+                      progress=Progress(), stats=stats, processes=args.processes)
     secs = stats["seconds"]
     print_table(labels, cfg, args.top)
     print(f"{stats['files']:,} files ({stats['model_rows']:,} scored by the model) in {secs:.2f} s: "

@@ -22,7 +22,7 @@ logged to the ``"feeder"`` logger and handed to external loggers. See API.md for
 """
 from .api import init_data_input_workers
 from .coordinator import GlobalCoordinator, global_coordinator
-from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError
+from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError, RemoteError
 from .feed import Feed
 from .prometheus import PrometheusLogger  # imports prometheus_client only when one is created
 from .runtime import OrtTrainingModule, StatefulSession
@@ -31,6 +31,6 @@ from .source import ChunkQueue
 __all__ = [
     "init_data_input_workers", "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
     "StatefulSession", "OrtTrainingModule", "PrometheusLogger",
-    "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError",
+    "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError", "RemoteError",
 ]
 __version__ = "0.1.0"

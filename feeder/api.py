@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from .chunks import InputSpec, fixed_batch_inputs
 from .coordinator import GlobalCoordinator, global_coordinator
 from .feed import Feed, check_batch_size
+from .procfeed import ProcessOptions, check_picklable, get_context
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
 
@@ -20,6 +22,9 @@ log = logging.getLogger("feeder")
 # throughput (feeder.tuning): I/O-bound fetch functions profit from many threads, and parked
 # ones cost a sleeping thread each.
 AUTO_MAX_THREADS = 8
+# num_worker_processes="auto" takes as many worker ids as there are cores: a process is for
+# CPU-bound Python work, and more processes than cores only contend.
+AUTO_MAX_PROCESSES = max(1, os.cpu_count() or 1)
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -66,6 +71,10 @@ def init_data_input_workers(
     max_fetch_errors: int = 0,
     max_buffered_bytes: Optional[int] = None,
     resume_from: Optional[Dict[str, Any]] = None,
+    num_worker_processes: Union[int, str] = 0,
+    mp_context: Any = None,
+    worker_init_fun: Optional[Callable[[int], Any]] = None,
+    seed: Optional[int] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -84,6 +93,11 @@ def init_data_input_workers(
     ``coord.state_dict(name)``, the same for every registration of the source) makes a source
     continue after the rows that state says were delivered (see ``feeder.sources``).
 
+    ``num_worker_processes=N`` (> 0, or ``"auto"``) runs ``fetch_fun`` in N worker processes
+    instead of threads (started with ``mp_context``: default "forkserver", else "spawn"); each
+    runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
+    worker_id)``. Chunks come back through shared memory (see README, "Worker processes").
+
     Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
     arguments raise TypeError or ValueError here, naming the argument.
     """
@@ -98,6 +112,24 @@ def init_data_input_workers(
         raise TypeError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
     auto = num_worker_threads == "auto"
     num_worker_threads = AUTO_MAX_THREADS if auto else _int("num_worker_threads", num_worker_threads, 1)
+    processes = None
+    num_workers = num_worker_threads
+    if num_worker_processes == "auto":
+        num_workers, auto = AUTO_MAX_PROCESSES, True
+    else:
+        num_workers = _int("num_worker_processes", num_worker_processes, 0) or num_worker_threads
+    if num_worker_processes != 0:
+        if worker_init_fun is not None and not callable(worker_init_fun):
+            raise TypeError(f"worker_init_fun must be callable or None, got {type(worker_init_fun).__name__}")
+        if seed is not None:
+            seed = _int("seed", seed, 0)
+        ctx = get_context(mp_context)
+        check_picklable("fetch_fun", fetch_fun, ctx)
+        check_picklable("worker_init_fun", worker_init_fun, ctx)
+        processes = ProcessOptions(context=ctx, worker_init_fun=worker_init_fun, seed=seed)
+    elif worker_init_fun is not None or mp_context is not None or seed is not None:
+        raise ValueError("worker_init_fun, mp_context and seed apply to worker processes only "
+                         "(num_worker_processes > 0)")
     max_buffered_batches = _int("max_buffered_batches", max_buffered_batches, 1)
     max_fetch_errors = _int("max_fetch_errors", max_fetch_errors, 0)
     if max_buffered_bytes is not None:
@@ -144,10 +176,10 @@ def init_data_input_workers(
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=queue.validator,
-                    max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from)
+                    max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
-                    max_buffered_batches=max_buffered_batches, num_workers=num_worker_threads,
+                    max_buffered_batches=max_buffered_batches, num_workers=num_workers,
                     ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from)
     return coord
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -75,6 +75,17 @@ class ChunkValidator:
         self._fast: Optional[List[Tuple[Any, ...]]] = None
         self._single: Optional[Tuple[Any, ...]] = None
         self._build_fast()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Picklable (worker processes get a copy, with what the source has learned so far)."""
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _build_fast(self) -> None:
         """Precompute the per-input (dtype, axis, rank, other dims) of the fast path, once every

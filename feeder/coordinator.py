@@ -183,12 +183,12 @@ class GlobalCoordinator:
 
     def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue], monitor: Optional[Monitor],
                   stop_monitor: bool, timeout: Optional[float]) -> bool:
+        deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
         for feed in feeds:
-            feed._signal_stop()
+            feed._signal_stop(deadline)  # worker processes are stopped against the same budget
         discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         # Before the join: a fetch call waiting on its source's iterator (Ray Data) returns once released.
         release_sources(feeds)
-        deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
         threads = [t for f in feeds for t in f._threads()]
         _join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]

@@ -116,6 +116,15 @@ def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_
         what = "worker processes" if t.mode == "processes" else "fetchers (processes if fetch_fun is Python code)"
         advice.append(f"The fetchers are CPU-bound ({per_fetcher_cpu:.0%} of a core each while running): add "
                       f"{what} up to the free cores, or make fetch_fun cheaper.")
+    elif t.mode == "processes" and busy < 0.5:
+        advice.append(f"The worker processes spent only {_pct(busy, 1)} of their time in fetch_fun and used "
+                      f"{per_fetcher_cpu:.0%} of a core each: they mostly waited for the parent to take their "
+                      f"chunks, so the parent's side (rebatching, many small chunks, the consumer's own code) bounds "
+                      f"throughput; chunks of at least a batch help, more processes do not.")
+    elif t.mode == "processes":
+        advice.append(f"The worker processes spent {_pct(busy, 1)} of their time in fetch_fun but used only "
+                      f"{per_fetcher_cpu:.0%} of a core each: they wait on I/O or sleeps, so more of them help, "
+                      f"or threads, which cost less for waiting (num_worker_threads={2 * t.workers}).")
     else:
         advice.append(f"The fetchers spent {_pct(busy, 1)} of their time in fetch_fun but used only "
                       f"{per_fetcher_cpu:.0%} of a core each: they wait on I/O or sleeps, so more worker threads "

@@ -62,3 +62,10 @@ class Failure:
 
     def __repr__(self) -> str:
         return f"Failure({self.template!r}, cause={self.cause!r})"
+
+
+class RemoteError(FeederError):
+    """An exception raised in a worker process that could not be pickled back to the parent.
+
+    Its message holds the original exception's type name, message and the child's traceback.
+    """

@@ -22,6 +22,7 @@ from .chunks import ChunkValidator, InputSpec
 from .diagnosis import StageTimes, verdict
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
+from .procfeed import ProcessOptions, ProcFetchers
 from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .rowkeys import public_names, split_keys
@@ -29,7 +30,7 @@ from .runtime import PreparedBatch, Runner, intra_op_threads
 from .source import CLOSED, EMPTY, END, ChunkQueue
 from .sources.base import describe_source
 from .tuning import Throttle, Tuner
-from .workers import SLICE_S, WorkerState, fetch_loop
+from .workers import SLICE_S, ThreadFetchers
 
 log = logging.getLogger("feeder")
 
@@ -64,7 +65,7 @@ class Feed:
                  batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
-                 resume_from: Optional[Dict[str, Any]] = None):
+                 resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -106,7 +107,17 @@ class Feed:
             self._ready.on_pop = source.row_keys.record
         self._ring = BufferRing(READY_MAX + 2)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
-        self._workers = [WorkerState(w) for w in self.worker_ids]
+        # One interface for both ways of fetching (feeder.workers, feeder.procfeed).
+        self._fetchers: Any
+        if processes is not None:
+            self._fetchers = ProcFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
+                                          worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
+                                          stop=self._stop, options=processes, throttle=self._throttle)
+        else:
+            self._fetchers = ThreadFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
+                                            worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
+                                            stop=self._stop, throttle=self._throttle)
+        self._workers = self._fetchers.states
         self._enqueuer_thread: Optional[threading.Thread] = None
         self._failure: Optional[Failure] = None
         self._init_done = False
@@ -158,28 +169,21 @@ class Feed:
         coalesce = not self.dont_rebatch and not self.source.ordered
         # Without a promised order, whole batches that fetchers assembled may overtake short pieces.
         self._rebatcher.reorder = coalesce and not self.source.single_stream()
-        for state in self._workers:
-            t = threading.Thread(
-                target=fetch_loop, name=f"feeder:{name}:fetch-{state.worker_id}", daemon=True,
-                kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
-                            validator=self._validate, state=state, batch_size=lambda: self._batch_size,
-                            stop=self._stop, max_fetch_errors=self.max_fetch_errors, coalesce=coalesce,
-                            throttle=self._throttle))
-            state.thread = t
         self._enqueuer_thread = threading.Thread(target=self._enqueue_loop, name=f"feeder:{name}:enqueue",
                                                  daemon=True)
+        self._fetchers.start(self._batch_size, coalesce)
         self._started = True
-        for state in self._workers:
-            state.set("starting")
-            state.thread.start()
         self._enqueuer_thread.start()
 
-    def _signal_stop(self) -> None:
+    def _signal_stop(self, deadline: Optional[float] = None) -> None:
+        """Signal every thread (and worker process) to stop; ``deadline`` (monotonic s) bounds the
+        whole stop, which worker processes need to know (polite, then terminate, then kill)."""
         self._stopped = True
         self._stop.set()
+        self._fetchers.signal_stop(deadline)
 
     def _threads(self) -> List[threading.Thread]:
-        threads = [s.thread for s in self._workers if s.thread is not None]
+        threads = list(self._fetchers.threads())
         if self._enqueuer_thread is not None:
             threads.append(self._enqueuer_thread)
         return threads
@@ -191,6 +195,7 @@ class Feed:
         with self._batch_size_lock:
             self._batch_size = int(batch_size)
             self._pending_batch_size = int(batch_size)
+            self._fetchers.set_batch_size(int(batch_size))
 
     def _take_new_batch_size(self) -> Optional[int]:
         """The batch size set since the enqueuer last looked, if any (each reset is seen once)."""
@@ -428,17 +433,15 @@ class Feed:
         what = describe_source(self._fetch_fun)
         if what:
             lines.append(f"  fetch_fun: {what}")
-        for state in self._workers:
-            lines.append("  " + state.describe(now, stack_after_s=min(1.0, waited / 2)))
+        for line in self._fetchers.describe(now, stack_after_s=min(1.0, waited / 2)):
+            lines.append("  " + line)
         enq = self._enqueuer_thread
         if enq is not None and not enq.is_alive():
             lines.append("  the enqueuer thread has exited")
         return "\n".join(lines)
 
     def describe_workers(self) -> List[str]:
-        now = time.monotonic()
-        return [s.describe(now, stack_after_s=0.0) for s in self._workers
-                if s.thread is not None and s.thread.is_alive()]
+        return list(self._fetchers.live_descriptions())
 
     def metrics(self) -> Dict[str, float]:
         """A snapshot of counters: rows are rows along the batch axis, times are seconds."""
@@ -497,7 +500,8 @@ class Feed:
         return StageTimes(
             elapsed_s=m["uptime_s"], batches=m["batches"], rows=m["rows"], consumer_wait_s=m["consumer_wait_s"],
             consumer_run_s=m["consumer_run_s"], consumer_between_s=m["consumer_between_s"],
-            workers=sum(1 for s in self._workers if s.lifetime(now) > 0), mode="threads", fetch_s=m["fetch_s"],
+            workers=sum(1 for s in self._workers if s.lifetime(now) > 0), mode=self._fetchers.mode,
+            fetch_s=m["fetch_s"],
             fetch_blocked_s=m["fetch_blocked_s"], fetch_wall_s=m["fetch_wall_s"], fetch_cpu_s=m["fetch_cpu_s"],
             fetch_cpu_wall_s=m["fetch_cpu_wall_s"], rows_fetched=m["rows_fetched"],
             queue_capacity=m["queue_capacity"],

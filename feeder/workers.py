@@ -373,3 +373,59 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
         # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
         # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
         source.discarded(state.rows - state.rows_put, fetched=True)
+
+
+class ThreadFetchers:
+    """The fetchers of one feed as threads running :func:`fetch_loop`.
+
+    The feed reaches its fetchers only through this interface, which
+    ``feeder.procfeed.ProcFetchers`` offers too: ``states`` (one :class:`WorkerState` each),
+    ``start``, ``set_batch_size``, ``signal_stop``, ``threads`` and ``describe``.
+    """
+
+    mode = "threads"
+
+    def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
+                 worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event,
+                 throttle: Optional[Throttle] = None):
+        self.source = source
+        self.states = [WorkerState(w) for w in worker_ids]
+        self._fetch_fun = fetch_fun
+        self._validator = validator
+        self._max_fetch_errors = max_fetch_errors
+        self._stop = stop
+        self._throttle = throttle
+        self._batch_size = 0
+
+    def start(self, batch_size: int, coalesce: bool) -> None:
+        self._batch_size = batch_size
+        name = self.source.name
+        for state in self.states:
+            state.thread = threading.Thread(
+                target=fetch_loop, name=f"feeder:{name}:fetch-{state.worker_id}", daemon=True,
+                kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
+                            validator=self._validator, state=state, batch_size=lambda: self._batch_size,
+                            stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
+                            throttle=self._throttle))
+        for state in self.states:
+            state.set("starting")
+            assert state.thread is not None
+            state.thread.start()
+
+    def set_batch_size(self, batch_size: int) -> None:
+        """Every fetcher's next fetch_fun call sees ``batch_size``."""
+        self._batch_size = batch_size
+
+    def signal_stop(self, deadline: Optional[float] = None) -> None:
+        self._stop.set()
+
+    def threads(self) -> List[threading.Thread]:
+        return [s.thread for s in self.states if s.thread is not None]
+
+    def describe(self, now: float, stack_after_s: float = 1.0) -> List[str]:
+        return [s.describe(now, stack_after_s=stack_after_s) for s in self.states]
+
+    def live_descriptions(self) -> List[str]:
+        now = time.monotonic()
+        return [s.describe(now, stack_after_s=0.0) for s in self.states
+                if s.thread is not None and s.thread.is_alive()]

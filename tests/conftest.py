@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import threading
 import time
 
@@ -26,6 +28,46 @@ def no_thread_left_behind():
             break
         time.sleep(0.01)
     assert not left, f"threads left running: {[t.name for t in left]}"
+
+
+def _shm_entries():
+    """Entries of /dev/shm that Python's multiprocessing or feeder could have made (other programs on
+    the machine may add their own meanwhile)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return set()
+    return {n for n in names if n.startswith(("psm_", "feeder", "sem.mp-", "mp-"))}
+
+
+def feeder_processes():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("feeder:")]
+
+
+@pytest.fixture(autouse=True)
+def no_process_or_segment_left_behind():
+    """Every test must leave no worker process and no shared-memory segment (waits up to 3 s)."""
+    shm_before = _shm_entries()
+    before = set(feeder_processes())
+    yield
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = [p for p in feeder_processes() if p not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not left, f"worker processes left running: {[(p.name, p.pid) for p in left]}"
+    assert _shm_entries() <= shm_before, f"shared-memory segments left: {_shm_entries() - shm_before}"
+
+
+MODES = ["threads", "processes"]
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Run a test with fetchers as threads and as worker processes (fetch functions must then be
+    module-level or instances of module-level classes: tests/utils.py)."""
+    return request.param
 
 
 @pytest.fixture

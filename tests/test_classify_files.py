@@ -4,8 +4,9 @@ Needs the magika package (its bundled model and config; nothing is downloaded) a
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "classify_files.
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("classify_files_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # Importable by its name (examples/ on sys.path), so that worker processes can unpickle its fetch object.
+    if str(EXAMPLE.parent) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE.parent))
+    return importlib.import_module("classify_files")
 
 
 cf = load_example()
@@ -207,3 +208,9 @@ def test_progress_bar_is_quiet_when_stderr_is_not_a_terminal(capsys):
         progress(done, 10)
     assert progress.bar is not None and progress.bar.disable
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("processes,batch_size,replicas", [(2, 4, 1), (1, 3, 2)])
+def test_labels_with_worker_processes_equal_magikas(folder, processes, batch_size, replicas):
+    paths = folder * 3
+    assert cf.classify(paths, batch_size=batch_size, replicas=replicas, processes=processes) == magika_labels(paths)

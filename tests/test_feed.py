@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from utils import wait_until
+from utils import Cycle, wait_until, workers
 
 import feeder
 import feeder.feed
@@ -96,28 +96,22 @@ def test_batches_keep_input_order_with_one_worker(coord):
     assert got.tolist() == list(range(140))
 
 
-def test_dont_rebatch_passes_chunks_through(coord):
-    sizes = iter([3, 5, 1, 7] * 1000)
-
-    def fetch(worker_id, batch_size):
-        return [np.zeros((next(sizes), 2), np.float32)]
-
-    feeder.init_data_input_workers(None, ["x"], fetch, 4, num_worker_threads=1, dont_rebatch=True,
-                                   coordinator=coord)
+def test_dont_rebatch_passes_chunks_through(coord, mode):
+    feeder.init_data_input_workers(None, ["seq", "y"], Cycle([3, 5, 1, 7]), 4, dont_rebatch=True,
+                                   batch_columns=[1, 0], coordinator=coord, **workers(mode, 1))
     coord.start()
     feed = coord.feed("train")
-    assert [feed.next_batch(timeout=10)["x"].shape[0] for _ in range(8)] == [3, 5, 1, 7] * 2
+    assert [feed.next_batch(timeout=10)["y"].shape[0] for _ in range(8)] == [3, 5, 1, 7] * 2
 
 
-def test_batch_columns_rebatch_along_another_axis(coord):
-    def fetch(worker_id, batch_size):
-        n = 3
-        return [np.ones((2, n, 4), np.float32), np.ones(n, np.int64)]
-
-    feeder.init_data_input_workers(None, ["seq", "y"], fetch, 5, batch_columns=[1, 0], coordinator=coord)
+def test_batch_columns_rebatch_along_another_axis(coord, mode):
+    feeder.init_data_input_workers(None, ["seq", "y"], Cycle([3]), 5, batch_columns=[1, 0], coordinator=coord,
+                                   **workers(mode, 2))
     coord.start()
-    b = coord.feed("train").next_batch(timeout=10)
-    assert b["seq"].shape == (2, 5, 4) and b["y"].shape == (5,)
+    for _ in range(10):
+        b = coord.feed("train").next_batch(timeout=10)
+        assert b["seq"].shape == (2, 5, 4) and b["y"].shape == (5,)
+        assert (b["seq"] == b["y"][None, :, None]).all()  # rows of both inputs stay aligned
 
 
 def test_iteration_and_fetch_fun_sees_batch_size(coord):

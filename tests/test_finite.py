@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from utils import Dataset, check_aligned
+from utils import Dataset, NoneAndEmpty, PerWorker, Sharded, check_aligned, tiny_by_worker, workers
 
 import feeder
 
@@ -29,8 +28,8 @@ def register(coord, fetch, batch_size, **kw):
                                           timeout=20, **kw)
 
 
-def test_keep_delivers_a_short_last_batch(coord):
-    register(coord, Dataset(103, sizes=(7,)), 10, num_worker_threads=1)
+def test_keep_delivers_a_short_last_batch(coord, mode):
+    register(coord, Sharded(103, 1, sizes=(7,)), 10, **workers(mode, 1))
     coord.start()
     feed = coord.feed("train")
     batches = consume_all(feed)
@@ -41,8 +40,8 @@ def test_keep_delivers_a_short_last_batch(coord):
     assert m["source_rows_buffered"] == 0 and m["rows_dropped"] == 0
 
 
-def test_drop_discards_the_short_last_batch_logs_and_counts_it(coord, caplog):
-    register(coord, Dataset(103, sizes=(7,)), 10, num_worker_threads=1, last_batch="drop")
+def test_drop_discards_the_short_last_batch_logs_and_counts_it(coord, caplog, mode):
+    register(coord, Sharded(103, 1, sizes=(7,)), 10, last_batch="drop", **workers(mode, 1))
     coord.start()
     feed = coord.feed("train")
     with caplog.at_level(logging.INFO, logger="feeder"):
@@ -55,29 +54,16 @@ def test_drop_discards_the_short_last_batch_logs_and_counts_it(coord, caplog):
     assert any("dropped the last 3 rows" in r.getMessage() and "'train'" in r.getMessage() for r in caplog.records)
 
 
-def test_run_and_iteration_end_cleanly(coord):
-    register(coord, Dataset(40, sizes=(40,)), 40, num_worker_threads=3)
+def test_run_and_iteration_end_cleanly(coord, mode):
+    register(coord, Sharded(40, 3, sizes=(40,)), 40, **workers(mode, 3))
     coord.start()
     feed = coord.feed("train")
     assert len(list(feed)) == 1
     assert list(feed) == []
 
 
-def test_none_and_empty_chunks_are_skipped_counted_and_lose_nothing(coord, caplog):
-    data = Dataset(60, sizes=(4,))
-    calls = iter(range(10**9))
-    lock = threading.Lock()
-
-    def fetch(worker_id, batch_size):
-        with lock:
-            k = next(calls)
-        if k % 3 == 0:
-            return None
-        if k % 3 == 1:
-            return [np.zeros(0, np.int64), np.zeros((0, 2), np.float32)]
-        return data(worker_id, batch_size)
-
-    register(coord, fetch, 8)
+def test_none_and_empty_chunks_are_skipped_counted_and_lose_nothing(coord, caplog, mode):
+    register(coord, NoneAndEmpty(60, 2, sizes=(4,)), 8, **workers(mode, 2))
     coord.start()
     feed = coord.feed("train")
     with caplog.at_level(logging.WARNING, logger="feeder"):
@@ -89,8 +75,8 @@ def test_none_and_empty_chunks_are_skipped_counted_and_lose_nothing(coord, caplo
     assert any("0 rows" in r.getMessage() for r in caplog.records)
 
 
-def test_tiny_queue_chunks_of_one_and_a_half_batches_slow_consumer(coord):
-    register(coord, Dataset(3000, sizes=(15,)), 10, num_worker_threads=3, max_buffered_batches=1)
+def test_tiny_queue_chunks_of_one_and_a_half_batches_slow_consumer(coord, mode):
+    register(coord, Sharded(3000, 3, sizes=(15,)), 10, max_buffered_batches=1, **workers(mode, 3))
     coord.start()
     feed = coord.feed("train")
     got = []
@@ -102,10 +88,10 @@ def test_tiny_queue_chunks_of_one_and_a_half_batches_slow_consumer(coord):
     assert sorted(flat.tolist()) == list(range(3000)) and len(flat) == 3000
 
 
-def test_two_replicas_of_one_source_see_each_row_once(coord):
-    data = Dataset(5000, sizes=(1, 13, 64, 7))
-    register(coord, data, 32, num_worker_threads=2)
-    register(coord, data, 32, num_worker_threads=2)
+def test_two_replicas_of_one_source_see_each_row_once(coord, mode):
+    data = Sharded(5000, 4, sizes=(1, 13, 64, 7))
+    register(coord, data, 32, **workers(mode, 2))
+    register(coord, data, 32, **workers(mode, 2))
     coord.start()
     feeds = coord.feeds("train")
     results = [[], []]
@@ -145,41 +131,22 @@ def test_replica_drains_the_queue_after_its_own_fetchers_end(coord):
     assert sorted(np.concatenate(got).tolist()) == list(range(200))
 
 
-def per_worker_fetcher(chunks_per_worker, sizes, delay=0.0, seed=None):
-    """Deterministic per worker: worker w's k-th chunk holds ids w*1e6 + k*1000 + row; random delays."""
-    rng = random.Random(seed)
-    lock = threading.Lock()
-    calls = {}
-
-    def fetch(worker_id, batch_size):
-        with lock:
-            k = calls.get(worker_id, 0)
-            calls[worker_id] = k + 1
-            pause = rng.random() * delay
-        if k >= chunks_per_worker[worker_id % len(chunks_per_worker)]:
-            raise StopIteration
-        if pause:
-            threading.Event().wait(pause)  # simulated I/O jitter, not synchronisation
-        n = sizes[(worker_id + k) % len(sizes)]
-        ids = worker_id * 1_000_000 + k * 1000 + np.arange(n, dtype=np.int64)
-        return [ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1)]
-
-    return fetch
+per_worker_fetcher = PerWorker  # tests/utils.py: module-level, so worker processes can run it
 
 
-def run_ordered(seed):
+def run_ordered(seed, mode="threads"):
     coord = feeder.GlobalCoordinator()  # fresh, so worker ids start at 0 again
     register(coord, per_worker_fetcher([7, 3, 5], [3, 11, 8, 1], delay=0.003, seed=seed), 6,
-             num_worker_threads=3, ordered=True)
+             ordered=True, **workers(mode, 3))
     coord.start()
     out = [b.tolist() for b in consume_all(coord.feed("train"))]
     assert coord.stop() is True
     return out
 
 
-def test_ordered_gives_identical_batches_whatever_the_timing():
-    first = run_ordered(seed=1)
-    second = run_ordered(seed=2)
+def test_ordered_gives_identical_batches_whatever_the_timing(mode):
+    first = run_ordered(seed=1, mode=mode)
+    second = run_ordered(seed=2, mode=mode)
     assert first == second
     flat = [i for b in first for i in b]
     # round-robin by worker id (workers 0,1,2 of this coordinator), ended workers skipped
@@ -198,15 +165,32 @@ def test_ordered_replicas_must_agree(coord):
         register(coord, Dataset(10), 5, ordered=False)
 
 
+PROPERTY = dict(workers=st.integers(1, 4), sizes=st.lists(st.integers(1, 300), min_size=1, max_size=5),
+                chunks=st.lists(st.integers(0, 6), min_size=1, max_size=4), batch_size=st.integers(1, 100),
+                last_batch=st.sampled_from(["keep", "drop"]), ordered=st.booleans(), seed=st.integers(0, 1000))
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(workers=st.integers(1, 4), sizes=st.lists(st.integers(1, 300), min_size=1, max_size=5),
-       chunks=st.lists(st.integers(0, 6), min_size=1, max_size=4), batch_size=st.integers(1, 100),
-       last_batch=st.sampled_from(["keep", "drop"]), ordered=st.booleans(), seed=st.integers(0, 1000))
+@given(**PROPERTY)
 def test_property_every_row_exactly_once(workers, sizes, chunks, batch_size, last_batch, ordered, seed):
+    every_row_exactly_once("threads", workers, sizes, chunks, batch_size, last_batch, ordered, seed)
+
+
+# Fewer examples: each starts processes (the data path after the processes is the threads' one).
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**PROPERTY)
+def test_property_every_row_exactly_once_with_processes(workers, sizes, chunks, batch_size, last_batch, ordered,
+                                                        seed):
+    every_row_exactly_once("processes", workers, sizes, chunks, batch_size, last_batch, ordered, seed)
+
+
+def every_row_exactly_once(mode, n_workers, sizes, chunks, batch_size, last_batch, ordered, seed):
+    workers = n_workers
     coord = feeder.GlobalCoordinator(join_timeout=3)
     try:
         fetch = per_worker_fetcher(chunks, sizes, delay=0.001, seed=seed)
-        register(coord, fetch, batch_size, num_worker_threads=workers, last_batch=last_batch, ordered=ordered)
+        register(coord, fetch, batch_size, last_batch=last_batch, ordered=ordered,
+                 **({"num_worker_threads": workers} if mode == "threads" else {"num_worker_processes": workers}))
         coord.start()
         feed = coord.feed("train")
         batches = consume_all(feed)
@@ -251,14 +235,11 @@ def _round_robin(chunks, sizes, workers):
     return out
 
 
-def test_rows_held_by_coalescing_fetchers_are_accounted_for_at_stop(coord):
+def test_rows_held_by_coalescing_fetchers_are_accounted_for_at_stop(coord, mode):
     """Issue 9, defect 7: after a stop with no consumer, workers had fetched 1,152 rows but the
     source counted 1,088 fetched: rows held in a fetcher for coalescing were counted nowhere."""
-    def fetch(worker_id, batch_size):
-        return [np.zeros((1 + worker_id % 3, 4), np.float32)]  # tiny chunks: coalesced
-
-    feeder.init_data_input_workers(None, ["x"], fetch, 256, num_worker_threads=2, max_buffered_batches=3,
-                                   coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(None, ["x"], tiny_by_worker, 256, max_buffered_batches=3,
+                                   coordinator=coord, timeout=10, **workers(mode, 2))
     coord.start()
     feed = coord.feed("train")
     wait_until_full = threading.Event()

@@ -6,7 +6,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from utils import Dataset, check_aligned, wait_until
+from utils import Sharded, batch_of_64k, check_aligned, wait_until, workers
 
 import feeder
 
@@ -65,17 +65,17 @@ def test_without_a_byte_bound_the_chunk_queue_bounds_memory_in_chunks(coord):
 
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_a_tight_byte_bound_never_deadlocks(ordered, replicas):
+def test_a_tight_byte_bound_never_deadlocks(ordered, replicas, mode):
     """Leftover rows count as held and only move on when more rows come: a bound near one batch
     must still let the source finish (found in review: it used to stall for good)."""
     coord = feeder.GlobalCoordinator()
     chunk_rows, batch = 6, 8  # chunks of 3/4 of a batch
     row_bytes = 8 * 8
-    data = Dataset(400, sizes=(chunk_rows,), width=8)  # one dataset, shared by the replicas
+    data = Sharded(400, 2 * replicas, sizes=(chunk_rows,), width=8)  # one dataset, shared by the replicas
     try:
         for _ in range(replicas):
             feeder.init_data_input_workers(None, ["id", "x"], data, batch,
-                                           num_worker_threads=2, ordered=ordered, coordinator=coord, timeout=5,
+                                           ordered=ordered, coordinator=coord, timeout=5, **workers(mode, 2),
                                            max_buffered_bytes=int(1.25 * batch * (row_bytes + 8)))
         coord.start()
         got = []
@@ -91,17 +91,14 @@ def test_a_tight_byte_bound_never_deadlocks(ordered, replicas):
 
 
 @pytest.mark.parametrize("bound_batches", [1, 2, 4])
-def test_byte_bound_below_six_batches_is_hard_when_the_consumer_stops_taking(coord, bound_batches):
+def test_byte_bound_below_six_batches_is_hard_when_the_consumer_stops_taking(coord, bound_batches, mode):
     """Issue 9, defect 2: 64 KiB chunks (one batch each), 2 workers, a consumer that stops
     taking: bounds of 64, 128 and 256 KiB all held 384 KiB."""
     chunk_bytes = 64 * 1024
     bound = bound_batches * chunk_bytes
 
-    def fetch(worker_id, batch_size):
-        return [np.ones((batch_size, 16 * 1024 // batch_size * 1), np.float32)]
-
-    feeder.init_data_input_workers(None, ["x"], fetch, 16, num_worker_threads=2, max_buffered_bytes=bound,
-                                   coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(None, ["x"], batch_of_64k, 16, max_buffered_bytes=bound,
+                                   coordinator=coord, timeout=10, **workers(mode, 2))
     coord.start()
     feed = coord.feed("train")
     feed.next_batch()  # then stop taking

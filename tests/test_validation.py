@@ -9,6 +9,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
 from models import linear_model, session, two_input_model  # noqa: E402
+from utils import Const, workers  # noqa: E402
 
 import feeder  # noqa: E402
 
@@ -16,15 +17,11 @@ GOOD_A = np.ones((3, 4), np.float32)
 GOOD_K = np.zeros((3, 1), np.int64)
 
 
-def failing_source(coord, chunk, sess=None, names=None, **kw):
-    """Register a single worker returning ``chunk`` once, start, and return the error a consumer sees."""
+def failing_source(coord, chunk, sess=None, names=None, mode="threads", **kw):
+    """Register a single worker returning ``chunk``, start, and return the error a consumer sees."""
     sess = session(two_input_model()) if sess is None else sess
-
-    def fetch(worker_id, batch_size):
-        return chunk
-
-    feeder.init_data_input_workers(sess, names, fetch, 3, num_worker_threads=1, input_source_name="scoring",
-                                   coordinator=coord, timeout=10, **kw)
+    feeder.init_data_input_workers(sess, names, Const(chunk), 3, input_source_name="scoring",
+                                   coordinator=coord, timeout=10, **workers(mode, 1), **kw)
     coord.start()
     feed = coord.feed("scoring")
     with pytest.raises(feeder.InputValidationError) as info:
@@ -49,8 +46,8 @@ def test_unknown_input_name(coord):
     assert "'extra'" in msg and "unknown" in msg
 
 
-def test_wrong_number_of_arrays(coord):
-    msg = failing_source(coord, [GOOD_A, GOOD_K, GOOD_K])
+def test_wrong_number_of_arrays(coord, mode):
+    msg = failing_source(coord, [GOOD_A, GOOD_K, GOOD_K], mode=mode)
     assert "expected 2 arrays" in msg and "got 3" in msg and "['a', 'k']" in msg
 
 
@@ -71,13 +68,13 @@ def test_object_dtype(coord):
     assert "input 'k'" in msg and "object" in msg and "int64" in msg
 
 
-def test_mismatched_row_counts(coord):
-    msg = failing_source(coord, [GOOD_A, np.zeros((5, 1), np.int64)])
+def test_mismatched_row_counts(coord, mode):
+    msg = failing_source(coord, [GOOD_A, np.zeros((5, 1), np.int64)], mode=mode)
     assert "input 'k'" in msg and "3 rows" in msg and "5 rows" in msg
 
 
-def test_wrong_dtype(coord):
-    msg = failing_source(coord, [GOOD_A.astype(np.float64), GOOD_K])
+def test_wrong_dtype(coord, mode):
+    msg = failing_source(coord, [GOOD_A.astype(np.float64), GOOD_K], mode=mode)
     assert "input 'a'" in msg and "expected dtype float32" in msg and "got dtype float64" in msg
     assert "cast=True" in msg
 
@@ -98,8 +95,8 @@ def test_wrong_fixed_batch_dimension_with_dont_rebatch(coord):
     assert "input 'x'" in msg and "dim 0 = 8" in msg
 
 
-def test_unsafe_cast_still_raises(coord):
-    msg = failing_source(coord, [GOOD_A, np.zeros((3, 1), np.float32)], cast=True)
+def test_unsafe_cast_still_raises(coord, mode):
+    msg = failing_source(coord, [GOOD_A, np.zeros((3, 1), np.float32)], cast=True, mode=mode)
     assert "input 'k'" in msg and "int64" in msg and "float32" in msg
 
 
@@ -114,13 +111,10 @@ def test_narrowing_cast_out_of_range_raises(coord):
         v([big], 0)
 
 
-def test_cast_true_converts_safe_casts_in_the_fetcher(coord):
+def test_cast_true_converts_safe_casts_in_the_fetcher(coord, mode):
     sess = session(two_input_model())
-
-    def fetch(worker_id, batch_size):
-        return [np.ones((3, 4), np.float64), np.arange(3, dtype=np.int32)[:, None]]
-
-    feeder.init_data_input_workers(sess, None, fetch, 4, cast=True, coordinator=coord, timeout=10)
+    fetch = Const([np.ones((3, 4), np.float64), np.arange(3, dtype=np.int32)[:, None]])
+    feeder.init_data_input_workers(sess, None, fetch, 4, cast=True, coordinator=coord, timeout=10, **workers(mode, 2))
     coord.start()
     batch = coord.feed("train").next_batch()
     assert batch["a"].dtype == np.float32 and batch["k"].dtype == np.int64

@@ -1,0 +1,461 @@
+"""The loop that runs in a worker process: fetch, validate, coalesce, write into shared memory.
+
+``worker_main`` is a module-level function with explicit arguments (after PyTorch's
+``_worker_loop`` and torchdata's ``_populate_queue``), started by the parent's
+``feeder.procfeed`` with the start method the registration chose. In the child it:
+
+* ignores SIGINT (Ctrl-C in a terminal reaches the whole process group: the parent raises one
+  ``KeyboardInterrupt`` and stops its workers; children must not print a traceback each), and
+  enables ``faulthandler`` so a crash in C code leaves a stack on stderr;
+* seeds ``random`` and numpy's global generator from ``(seed, worker_id)``;
+* runs ``worker_init_fun(worker_id)``, then calls ``fetch_fun`` until ``StopIteration``, a
+  fatal error, or the parent's stop;
+* validates each chunk with the source's validator (a copy of the parent's, with what it had
+  learned when the process started), casts where ``cast=True``, and coalesces chunks smaller
+  than a batch into whole batches (not for ordered sources nor ``dont_rebatch``): the copy into
+  shared memory is then the only copy, and the parent hands the batch on without one;
+* writes the arrays once into a free slot of its ring (``feeder.shm``) and sends the parent
+  their layout; it waits while ``MAX_INFLIGHT`` chunks are not yet queued by the parent
+  (back-pressure: a full source stops the process) or while no slot is free.
+
+A control thread in the child receives the parent's messages (stop, stack requests) and ends
+the process when the parent is gone: the channel reaches end-of-file when the parent dies,
+even by SIGKILL, and the parent pid changes when it is reparented.
+"""
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+from .chunks import ChunkValidator
+from .errors import InputValidationError
+from .shm import (
+    ACKED,
+    ALIGN,
+    BATCH_SIZE,
+    CONTROL_BYTES,
+    GO,
+    MAX_INFLIGHT,
+    STOP,
+    Channel,
+    ControlPage,
+    Layout,
+    SegmentRing,
+    map_fd,
+    new_fd,
+)
+
+COALESCE_HOLD_S = 0.02        # longest rows wait in the child for more rows to make a batch
+COALESCE_SLOW_CALL_S = 0.002  # a call slower than this puts rows as they come
+WAIT_S = 0.0001               # first sleep while waiting for a slot or for the parent to queue
+WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microseconds; oversleeping costs rows)
+PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
+STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
+TRIM_EVERY = 32               # chunks between two looks for free segments to give back
+STACKS_BYTES = 0              # the faulthandler file grows as it is written
+CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
+STATS_S = 0.25                # a fetch that blocks still reports its figures this often
+
+
+def seed_worker(seed: int, worker_id: int) -> None:
+    """Seed ``random`` and numpy's global generator from (seed, worker_id): distinct per worker,
+    reproducible for a given seed."""
+    state = np.random.SeedSequence([seed & (2**63 - 1), worker_id]).generate_state(2)
+    random.seed(int(state[0]) << 32 | int(state[1]))
+    np.random.seed(int(state[0]))
+
+
+class _Status:
+    """What the main thread is doing, for the control thread's answers (single writer)."""
+
+    def __init__(self) -> None:
+        self.state = "starting"
+        self.since = time.monotonic()
+        self.calls = 0
+
+    def set(self, state: str) -> None:
+        self.state = state
+        self.since = time.monotonic()
+
+
+class _Child:
+    def __init__(self, chan: Channel, control: ControlPage, worker_id: int):
+        self.chan = chan
+        self.control = control
+        self.worker_id = worker_id
+        self.ring = SegmentRing(control)
+        self.status = _Status()
+        self.stop = threading.Event()
+        self.sent = 0
+        self.t0 = time.monotonic()
+        self.cpu0 = time.thread_time()
+        self.cpu_s = 0.0
+        self.cpu_due = 0.0
+        # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s
+        self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
+        self.fetch_s = 0.0
+        self.main_ident = threading.get_ident()
+        # Rows held for coalescing. The main thread owns them except inside fetch_fun, where the
+        # control thread may put them (a call that blocks must not hold rows back); the lock
+        # decides who has them.
+        self.lock = threading.Lock()
+        self.pending: List[Tuple[Tuple[np.ndarray, ...], int]] = []
+        self.pending_rows = 0
+        self.held_since = 0.0
+        self.axes: Tuple[int, ...] = ()
+
+    def flush(self, wait: bool = True) -> bool:
+        """Put the held rows as one chunk (caller holds ``lock``); False on stop, or when it would
+        have to wait and ``wait`` is False (the rows are then kept)."""
+        if not self.pending_rows:
+            return True
+        ok = self.put(self.pending, self.pending_rows, len(self.pending), self.axes, wait)
+        if ok or wait:
+            self.pending, self.pending_rows, self.held_since = [], 0, 0.0
+        return ok
+
+    def flush_if_stale(self) -> None:
+        """From the control thread: put rows held past COALESCE_HOLD_S while fetch_fun runs."""
+        if not self.held_since or time.monotonic() - self.held_since < COALESCE_HOLD_S \
+                or self.status.state != "in fetch_fun":
+            return
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.status.state == "in fetch_fun":
+                    self.flush(wait=False)
+            finally:
+                self.lock.release()
+
+    def stats(self) -> Tuple[Any, ...]:
+        now = time.monotonic()
+        if now >= self.cpu_due and threading.get_ident() == self.main_ident:
+            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message
+            self.cpu_due = now + CPU_SAMPLE_S
+            self.cpu_s = time.thread_time() - self.cpu0
+        return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
+                self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since)
+
+    def send(self, *msg: Any, fds: Tuple[int, ...] = ()) -> None:
+        self.chan.send(msg + (self.stats(),), fds)
+
+    def stopped(self) -> bool:
+        return self.stop.is_set() or bool(self.control.fields[STOP])
+
+    # ---- the control thread ---------------------------------------------------------------
+    def control_loop(self, ppid: int) -> None:
+        try:
+            next_check = time.monotonic() + PARENT_CHECK_S
+            while True:
+                self.flush_if_stale()
+                if self.chan.poll(COALESCE_HOLD_S):
+                    msg = self.chan.recv()
+                    if msg[0] == "stop":
+                        self.stop.set()
+                        break
+                    if msg[0] == "stack":
+                        self.chan.send(("stack", self.stack(), self.stats()), timeout=0.5)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + PARENT_CHECK_S
+                    if os.getppid() != ppid:
+                        break  # reparented: the parent is gone
+        except (EOFError, OSError):
+            pass  # the parent closed the channel or died
+        self.stop.set()
+        # Give the main thread a moment to return by itself (it checks between calls); one stuck
+        # in fetch_fun is not waited for.
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(0)
+
+    def stack(self, frames: int = 6) -> str:
+        frame = sys._current_frames().get(self.main_ident)
+        if frame is None:
+            return ""
+        lines = traceback.format_list(traceback.extract_stack(frame)[-frames:])
+        return "".join(lines)
+
+    # ---- waits ----------------------------------------------------------------------------
+    def _wait(self, ready: Callable[[], bool], what: str, wait: bool = True) -> bool:
+        """Sleep in growing slices until ``ready()``; False on stop (or at once if not ``wait``)."""
+        if ready():
+            return True
+        if not wait:
+            return False
+        before = self.status.state
+        self.status.set(what)
+        pause = WAIT_S
+        try:
+            while not ready():
+                if self.stopped():
+                    return False
+                time.sleep(pause)
+                pause = min(WAIT_MAX_S, pause * 2)
+            return True
+        finally:
+            self.status.set(before)
+
+    def wait_go(self) -> bool:
+        return self._wait(lambda: bool(self.control.fields[GO]), "parked (auto concurrency)")
+
+    # ---- sending chunks -------------------------------------------------------------------
+    def put(self, pieces: List[Tuple[Tuple[np.ndarray, ...], int]], rows: int, slots: int,
+            axes: Tuple[int, ...], wait: bool = True) -> bool:
+        """Write ``rows`` rows made of ``pieces`` into one slot and send its layout; False on stop
+        (or, if not ``wait``, when no slot or no room is free right now)."""
+        first = pieces[0][0]
+        shapes: List[Tuple[int, ...]] = []
+        for i, a in enumerate(first):
+            dims = list(a.shape)
+            dims[axes[i]] = rows
+            shapes.append(tuple(dims))
+        # Strings of different widths widen, as in the parent's rebatcher.
+        dtypes = [a.dtype if a.dtype.kind not in "US" else np.result_type(*(p[0][i].dtype for p in pieces))
+                  for i, a in enumerate(first)]
+        offsets: List[Optional[int]] = []
+        total = 0
+        for s, d in zip(shapes, dtypes):
+            if d.hasobject:
+                offsets.append(None)  # pickled with the message
+                continue
+            offsets.append(total)
+            total += -(-math.prod(s) * d.itemsize // ALIGN) * ALIGN
+        fields = self.control.fields
+        if not self._wait(lambda: self.sent - int(fields[ACKED]) < MAX_INFLIGHT, "waiting for queue space", wait):
+            return False
+        slot = None
+        fds: List[int] = []
+        dropped: List[int] = []
+        if total:
+            got: List[Any] = []
+
+            def take() -> bool:
+                got[:] = self.ring.acquire(total)
+                return got[0] is not None
+
+            if not self._wait(take, "waiting for a free shared-memory slot", wait):
+                return False
+            slot, dropped, fds, _ = got
+        layout: Layout = []
+        for i, (shape, dtype, off) in enumerate(zip(shapes, dtypes, offsets)):
+            parts = [p[0][i] for p in pieces]
+            if off is None:
+                layout.append(("obj", parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axes[i])))
+                continue
+            assert slot is not None
+            dst = self.ring.view(slot, off, dtype, shape)
+            if len(parts) == 1:
+                np.copyto(dst, parts[0], casting="unsafe" if dtype.kind in "US" else "same_kind")
+            else:
+                np.concatenate(parts, axis=axes[i], out=dst, casting="same_kind")
+            del dst
+            layout.append(("shm", off, dtype.str if dtype.names is None else dtype, shape))
+        sizes = [self.ring.sizes[slot]] if fds and slot is not None else []
+        try:
+            self.send("chunk", slot, layout, total, rows, slots, dropped, sizes, fds=tuple(fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.sent += 1
+        if not self.sent % TRIM_EVERY:
+            trimmed = self.ring.trim()
+            if trimmed:
+                self.send("drop", trimmed)
+        return True
+
+
+def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str]:
+    """(pickled exception or None, type name, str, traceback text) of an exception."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        pickled = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt
+        data: Optional[bytes] = pickled
+    except Exception:
+        data = None
+    try:
+        text = str(e)
+    except Exception:
+        text = f"<{type(e).__name__}: str() failed>"
+    return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb
+
+
+def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int], Any],
+                worker_init_fun: Optional[Callable[[int], Any]], seed: int, validator: ChunkValidator,
+                batch_size: int, coalesce: bool) -> None:
+    """The body of a worker process (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()
+    ppid = os.getppid()
+    chan = Channel(conn)
+    # Stacks on request even when the main thread holds the GIL in C code (where the control
+    # thread cannot answer): SIGUSR1 makes faulthandler write every thread's stack into this
+    # anonymous file, which the parent reads through its own descriptor.
+    stacks = new_fd(STACKS_BYTES, "feeder-stacks")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    control_fd = new_fd(CONTROL_BYTES, "feeder-control")
+    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    control = ControlPage(map_fd(control_fd, CONTROL_BYTES))
+    control.fields[BATCH_SIZE] = batch_size
+    control.fields[GO] = 1
+    child = _Child(chan, control, worker_id)
+    ctl = threading.Thread(target=child.control_loop, args=(ppid,), name="feeder:control", daemon=True)
+    ctl.start()
+    seed_worker(seed, worker_id)
+    try:
+        if worker_init_fun is not None:
+            child.status.set("in worker_init_fun")
+            worker_init_fun(worker_id)
+    except BaseException as e:  # noqa: B902 - whatever it was, the parent must hear of it
+        child.send("error", *_describe_exception(e), True, "worker_init_fun")
+        return
+    try:
+        _loop(child, fetch_fun, validator, coalesce)
+    except BaseException as e:  # noqa: B902 - a bug here must reach the parent, not vanish
+        try:
+            child.send("error", *_describe_exception(e), True, "the worker loop")
+        except OSError:
+            pass
+    finally:
+        try:
+            child.send("bye")
+        except OSError:
+            pass
+
+
+def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: bool) -> None:
+    wid = child.worker_id
+    fields = child.control.fields
+    axes = child.axes = validator.axes
+    status = child.status
+    check = validator.check
+    monotonic = time.monotonic
+    lock = child.lock
+    stats_due = monotonic() + STATS_S
+    stop = child.stop
+    lock.acquire()  # released only around fetch_fun (see _Child.lock)
+    try:
+        while not stop.is_set() and not fields[STOP]:
+            if not fields[GO]:
+                if not child.flush() or not child.wait_go():
+                    return
+            bs = fields[BATCH_SIZE]
+            status.state = "in fetch_fun"
+            status.since = t0 = monotonic()
+            child.calls += 1
+            lock.release()
+            try:
+                raw = fetch_fun(wid, bs)
+            except StopIteration:
+                lock.acquire()
+                child.fetch_s += monotonic() - t0
+                if child.flush():
+                    status.set("ended (StopIteration)")
+                    child.send("end")
+                return
+            except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit reach the consumer too
+                lock.acquire()
+                child.fetch_s += monotonic() - t0
+                child.errors += 1
+                fatal = not isinstance(e, Exception)
+                status.set("processing a chunk")
+                child.send("error", *_describe_exception(e), fatal, "fetch_fun")
+                if fatal:
+                    return
+                continue
+            lock.acquire()
+            now = monotonic()
+            slow = now - t0 > COALESCE_SLOW_CALL_S
+            child.fetch_s += now - t0
+            status.state, status.since = "processing a chunk", now
+            if raw is None:
+                child.none_chunks += 1
+                child.send("none")
+                continue
+            try:
+                arrays, rows = check(raw, wid)
+            except InputValidationError as e:
+                child.send("invalid", str(e))
+                return
+            if rows == 0:
+                child.empty_chunks += 1
+                child.send("empty")
+                continue
+            child.chunks += 1
+            child.rows += rows
+            held = child.pending_rows
+            if held + rows < bs and not slow and coalesce and validator._fast is not None \
+                    and (not held or now - child.held_since <= COALESCE_HOLD_S):
+                # the common case, inline: a small chunk that does not complete a batch is just held
+                if not held:
+                    child.held_since = now
+                child.pending.append((arrays, rows))
+                child.pending_rows = held + rows
+                continue
+            # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
+            # assembling whole batches here costs nothing extra and saves the parent its copy.
+            # Object arrays (strings) are pickled as they come; only string inputs can hold them, and
+            # a validator with a fast path (every dtype fixed) has none.
+            if not coalesce or rows >= bs or (validator._fast is None and any(a.dtype.hasobject for a in arrays)):
+                if not child.flush() or not child.put([(arrays, rows)], rows, 1, axes):
+                    return
+            else:
+                if not child.pending_rows:
+                    child.held_since = now
+                child.pending.append((arrays, rows))
+                child.pending_rows += rows
+                while child.pending_rows >= bs:
+                    take, taken = _take(child.pending, bs, axes)
+                    child.pending_rows -= bs
+                    if not child.put(take, bs, taken, axes):
+                        return
+                if not child.pending_rows:
+                    child.held_since = 0.0
+                elif slow or now - child.held_since > COALESCE_HOLD_S:
+                    if not child.flush():
+                        return
+            if now >= stats_due:
+                stats_due = now + STATS_S
+                child.send("stats")
+    finally:
+        lock.release()
+
+
+def _take(pending: List[Tuple[Tuple[np.ndarray, ...], int]], n: int,
+          axes: Tuple[int, ...]) -> Tuple[List[Tuple[Tuple[np.ndarray, ...], int]], int]:
+    """Remove the first ``n`` rows from ``pending`` (in place, splitting a piece if needed); returns
+    them and how many of fetch_fun's chunks they stand for."""
+    need = n
+    k = 0
+    for _, rows in pending:
+        if rows > need:
+            break
+        need -= rows
+        k += 1
+        if not need:
+            break
+    out = pending[:k]
+    del pending[:k]
+    if need:
+        arrays, rows = pending[0]
+        out.append((tuple(_rows(a, ax, 0, need) for a, ax in zip(arrays, axes)), need))
+        pending[0] = (tuple(_rows(a, ax, need, rows) for a, ax in zip(arrays, axes)), rows - need)
+    return out, max(1, k)
+
+
+def _rows(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(start, stop)
+    return a[tuple(index)]

@@ -1,0 +1,456 @@
+"""Worker processes (issue 10): what only processes do. Behaviour shared with threads is tested by
+the suites parametrized over ``mode`` (test_finite, test_faults)."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import utils
+from utils import BadAt, DieAt, FailAt, Sharded, check_aligned, until, wait_until
+
+import feeder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def register(coord, fetch, batch_size, names=("x",), **kw):
+    kw.setdefault("num_worker_processes", 2)
+    return feeder.init_data_input_workers(None, list(names), fetch, batch_size, coordinator=coord, timeout=20, **kw)
+
+
+def gone(pid: int) -> bool:
+    """The process no longer exists, not even as a zombie (its parent reaped it)."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def exited(pid: int) -> bool:
+    """The process has ended: gone, or a zombie waiting for whoever adopted it to reap it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+def child_pids(feed):
+    return [w.pid for w in feed._fetchers._workers]
+
+
+# ---- data path --------------------------------------------------------------------------------
+def test_every_row_once_aligned_and_the_ledger_balances(coord):
+    register(coord, Sharded(5000, 3, sizes=(1, 13, 64, 7)), 32, names=("id", "x"), num_worker_processes=3)
+    coord.start()
+    feed = coord.feed("train")
+    got = np.concatenate([check_aligned(b) for b in feed])
+    assert sorted(got.tolist()) == list(range(5000))
+    m = feed.metrics()
+    assert m["source_rows_fetched"] == m["source_rows_delivered"] == 5000
+    assert m["rows_fetched"] == 5000 and m["fetch_calls"] >= 3
+    assert feed.worker_ids == [0, 1, 2]
+
+
+def test_a_chunk_of_one_batch_reaches_the_consumer_without_a_copy(coord):
+    register(coord, Sharded(64 * 20, 1, sizes=(64,), width=256), 64, names=("id", "x"), num_worker_processes=1)
+    coord.start()
+    feed = coord.feed("train")
+    n = 0
+    for batch in feed:
+        check_aligned(batch)
+        n += 1
+    m = feed.metrics()
+    assert n == 20 and m["zero_copy_batches"] == 20 and m["bytes_copied"] == 0
+
+
+def test_tiny_chunks_are_coalesced_in_the_process(coord):
+    register(coord, Sharded(3000, 2, sizes=(1, 2, 3)), 100, names=("id", "x"))
+    coord.start()
+    feed = coord.feed("train")
+    got = np.concatenate([check_aligned(b) for b in feed])
+    assert sorted(got.tolist()) == list(range(3000))
+    m = feed.metrics()
+    # whole batches were assembled in the processes: the parent handed most of them on uncopied
+    assert m["zero_copy_batches"] >= 10, m
+
+
+def test_batches_held_by_the_consumer_stay_valid_while_slots_are_reused(coord):
+    register(coord, Sharded(64 * 200, 1, sizes=(64,)), 64, names=("id", "x"), num_worker_processes=1)
+    coord.start()
+    held = [coord.feed("train").next_batch() for _ in range(100)]  # more than a ring of slots
+    rest = [b["id"].copy() for b in coord.feed("train")]
+    ids = np.concatenate([b["id"] for b in held] + rest)
+    assert ids.tolist() == list(range(64 * 200))
+    for b in held:
+        check_aligned(b)
+
+
+def test_string_and_object_inputs(coord):
+    register(coord, utils.strings, 5, names=("s", "b"), num_worker_processes=2)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(10):
+        b = feed.next_batch()
+        assert all(s.startswith("w") and s.count("x") == len(s) - 3 for s in b["s"].tolist())
+        assert set(b["b"].tolist()) <= {b"ab", b"c", b"def"}
+
+
+def test_reset_data_input_reaches_the_next_fetch_in_the_process(coord):
+    register(coord, utils.echo_batch_size, 8, names=("n",), num_worker_processes=1)
+    coord.start()
+    feed = coord.feed("train")
+    assert set(feed.next_batch()["n"].tolist()) == {8}
+    coord.reset_data_input("train", 5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        b = feed.next_batch()
+        if set(b["n"].tolist()) == {5}:
+            break
+    else:
+        raise AssertionError("fetch_fun never saw the new batch size")
+    assert len(b["n"]) == 5
+
+
+def test_ordered_is_deterministic_with_processes():
+    runs = []
+    for _ in range(2):
+        c = feeder.GlobalCoordinator()
+        try:
+            register(c, Sharded(600, 3, sizes=(7, 11), delay=0.001), 10, names=("id", "x"), num_worker_processes=3,
+                     ordered=True)
+            c.start()
+            runs.append([b["id"].tolist() for b in c.feed("train")])
+        finally:
+            assert c.stop() is True
+    assert runs[0] == runs[1]
+    assert sorted(i for b in runs[0] for i in b) == list(range(600))
+
+
+def test_metrics_and_diagnosis_see_the_processes_work(coord):
+    register(coord, Sharded(20000, 2, sizes=(50,), delay=0.002), 50, names=("id", "x"))
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(60):
+        feed.next_batch()
+    m = feed.metrics()
+    assert m["fetch_s"] > 0 and m["fetch_cpu_wall_s"] > 0 and m["live_workers"] == 2
+    assert m["active_workers"] == 2
+    assert feed.stage_times().mode == "processes"
+    assert "process" in feed.diagnose()
+
+
+# ---- start methods, pickling, seeds -------------------------------------------------------------
+def test_a_fetch_fun_that_cannot_be_pickled_is_a_type_error_at_registration(coord):
+    with pytest.raises(TypeError, match="fetch_fun .*cannot be pickled.*module-level"):
+        register(coord, lambda w, b: None, 4)
+    with pytest.raises(TypeError, match="worker_init_fun .*cannot be pickled"):
+        register(coord, utils.random_probe, 4, worker_init_fun=lambda w: None)
+    assert coord.sources == []
+
+
+def test_fork_takes_a_closure(coord):
+    lock = threading.Lock()  # unpicklable, fine with fork
+
+    def fetch(worker_id, batch_size):
+        with lock:
+            return [np.full(4, worker_id)]
+
+    register(coord, fetch, 4, mp_context="fork")
+    coord.start()
+    assert coord.feed("train").next_batch()["x"].shape == (4,)
+
+
+def test_bad_process_arguments(coord):
+    with pytest.raises(ValueError, match="num_worker_processes"):
+        register(coord, utils.random_probe, 4, num_worker_processes=-1)
+    with pytest.raises(ValueError, match="mp_context"):
+        register(coord, utils.random_probe, 4, mp_context="teleport")
+    with pytest.raises(ValueError, match="worker processes only"):
+        feeder.init_data_input_workers(None, ["x"], utils.random_probe, 4, coordinator=coord, seed=3)
+
+
+def _draws(seed):
+    c = feeder.GlobalCoordinator()
+    try:
+        register(c, utils.random_probe, 1, num_worker_processes=2, seed=seed, dont_rebatch=True)
+        c.start()
+        feed = c.feed("train")
+        got = {}
+        while len(got) < 2:
+            row = feed.next_batch()["x"][0]
+            got.setdefault(int(row[0]), (row[1], row[2]))
+        return got
+    finally:
+        c.stop()
+
+
+def test_each_process_seeds_random_and_numpy_from_seed_and_worker_id():
+    a, b, fresh = _draws(7), _draws(7), _draws(None)
+    assert a == b  # reproducible
+    assert a[0] != a[1]  # distinct per worker
+    assert fresh != a
+
+
+def test_worker_init_fun_runs_in_each_process_before_its_first_fetch(coord):
+    register(coord, utils.report_init, 1, worker_init_fun=utils.record_init, dont_rebatch=True)
+    coord.start()
+    seen = set()
+    deadline = time.monotonic() + 10
+    while seen != {0, 100} and time.monotonic() < deadline:  # both processes, whichever starts first
+        seen.add(int(coord.feed("train").next_batch()["x"][0]))
+    assert seen == {0, 100}
+
+
+# ---- failures ---------------------------------------------------------------------------------
+def test_an_exception_in_a_process_is_a_fetch_error_with_the_original_and_its_traceback(coord):
+    register(coord, FailAt(3, ValueError("corrupt record 17"), worker=1), 4)
+    coord.start()
+    with pytest.raises(feeder.FetchError) as info:
+        for _ in until(20):  # a worker process may start later than the others
+            coord.feed("train").next_batch()
+    err = info.value
+    assert type(err.__cause__) is ValueError and str(err.__cause__) == "corrupt record 17"
+    msg = str(err)
+    assert "source 'train'" in msg and "worker 1" in msg and "corrupt record 17" in msg
+    assert "raise self.exc" in msg and "utils.py" in msg  # the child's traceback
+
+
+def test_an_exception_that_cannot_be_rebuilt_arrives_as_remote_error(coord):
+    register(coord, utils.raise_unpicklable, 4, num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.FetchError) as info:
+        coord.feed("train").next_batch()
+    cause = info.value.__cause__
+    assert isinstance(cause, feeder.RemoteError) and isinstance(cause, feeder.FeederError)
+    assert "UnpicklableError" in str(cause) and "left/right" in str(cause) and "raise_unpicklable" in str(cause)
+
+
+def test_worker_init_fun_failure_is_a_fetch_error(coord):
+    register(coord, utils.random_probe, 4, num_worker_processes=1, worker_init_fun=utils.raise_unpicklable)
+    coord.start()
+    with pytest.raises(feeder.FetchError, match="worker_init_fun raised"):
+        coord.feed("train").next_batch()
+
+
+@pytest.mark.parametrize("how,expected", [("exit", "exit code 7"), ("segfault", "SIGSEGV"), ("sigkill", "SIGKILL")])
+def test_a_process_that_dies_is_a_fetch_error_within_a_second(coord, how, expected, tmp_path):
+    stamp = str(tmp_path / "died_at")
+    register(coord, DieAt(20, how, stamp=stamp), 4)
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.FetchError) as info:
+        for _ in until(20):
+            feed.next_batch()
+    known = time.time()
+    with open(stamp) as f:
+        died = float(f.read())
+    assert known - died < 1.0, f"the death was known {known - died:.2f} s after it happened"
+    msg = str(info.value)
+    assert "worker 0" in msg and f"pid {feed._fetchers._workers[0].pid}" in msg and expected in msg, msg
+
+
+def test_invalid_chunk_in_a_process_names_source_worker_and_input(coord):
+    register(coord, BadAt(3), 3, names=("id",), num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.InputValidationError) as info:
+        for _ in range(10):
+            coord.feed("train").next_batch()
+    msg = str(info.value)
+    assert "source 'train'" in msg and "worker 0" in msg and "'id'" in msg and "float32" in msg
+
+
+def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
+    register(coord, utils.sleep_forever, 4)
+    coord.start()
+    feed = coord.feed("train")
+    pids = child_pids(feed)
+    with pytest.raises(feeder.FeedTimeout) as info:
+        feed.next_batch(timeout=1.2)
+    msg = str(info.value)
+    for w in (0, 1):
+        assert f"worker {w} in fetch_fun for" in msg
+    assert "time.sleep(3600)" in msg and "process pid" in msg, msg
+    t0 = time.monotonic()
+    assert coord.stop() is True
+    assert time.monotonic() - t0 < coord.join_timeout
+    for pid in pids:
+        assert gone(pid)
+
+
+def test_one_hung_process_does_not_stop_the_others(coord):
+    register(coord, utils.hang_worker_zero, 4)
+    coord.start()
+    for _ in range(50):
+        assert coord.feed("train").next_batch()["x"].shape == (4, 2)
+
+
+def test_stop_ends_every_process_and_leaves_no_zombie(coord):
+    register(coord, Sharded(10**7, 3, sizes=(64,)), 32, names=("id", "x"), num_worker_processes=3,
+             max_buffered_batches=2)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(10):
+        feed.next_batch()
+    pids = child_pids(feed)
+    t0 = time.monotonic()
+    assert coord.stop() is True
+    assert time.monotonic() - t0 < 1.0
+    for pid in pids:
+        assert gone(pid), pid
+
+
+def test_max_fetch_errors_in_processes(coord, caplog):
+    register(coord, FailAt(2, OSError("bad file")), 4, max_fetch_errors=5)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(30):
+        feed.next_batch()
+    wait_until(lambda: all(s.calls >= 3 for s in feed._workers),
+               what="both processes past their failing call")
+    assert feed.metrics()["fetch_errors"] == 2
+    assert sum("tolerated" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_auto_runs_and_reports_active_workers(coord):
+    register(coord, Sharded(10**7, 2, sizes=(64,)), 64, names=("id", "x"), num_worker_processes="auto")
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(50):
+        feed.next_batch()
+    m = feed.metrics()
+    assert 1 <= m["active_workers"] <= len(feed.worker_ids) == os.cpu_count()
+
+
+# ---- lifecycle in subprocesses ------------------------------------------------------------------
+PRELUDE = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    import feeder, utils
+""").format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+
+
+def spawn(body: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def read_line(proc: subprocess.Popen, prefix: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.strip()
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"child never printed {prefix!r}: {proc.communicate()[1]}")
+
+
+def test_children_exit_by_themselves_when_the_parent_is_killed():
+    proc = spawn("""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.sleep_forever, 4, num_worker_processes=2)
+            coord.start()
+            feed = coord.feed("train")
+            while any(w.control is None for w in feed._fetchers._workers):
+                time.sleep(0.01)
+            print("pids", *[w.pid for w in feed._fetchers._workers], flush=True)
+            time.sleep(3600)
+    """)
+    try:
+        pids = [int(p) for p in read_line(proc, "pids").split()[1:]]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        wait_until(lambda: all(exited(p) for p in pids), timeout=2.0, what="worker processes to exit")
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_ctrl_c_gives_one_keyboard_interrupt():
+    proc = spawn("""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.sleep_forever, 4, num_worker_processes=2,
+                                                   coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            feed = coord.feed("train")
+            while any(w.control is None for w in feed._fetchers._workers):
+                time.sleep(0.01)
+            print("waiting", flush=True)
+            feed.next_batch(timeout=60)
+    """, start_new_session=True)
+    try:
+        read_line(proc, "waiting")
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert err.count("KeyboardInterrupt") == 1, err
+    assert err.count("Traceback") == 1, err
+
+
+def test_interpreter_exit_with_a_running_process_feed_is_clean():
+    proc = spawn("""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.hang_worker_zero, 4, num_worker_processes=2)
+            coord.start()
+            for _ in range(50):
+                coord.feed("train").next_batch(timeout=20)
+            print("pids", *[w.pid for w in coord.feed("train")._fetchers._workers], flush=True)
+    """)
+    pids = [int(p) for p in read_line(proc, "pids").split()[1:]]
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 3.0
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Fatal Python error" not in err, err
+    wait_until(lambda: all(gone(p) for p in pids), timeout=2.0, what="worker processes to exit")
+
+
+def test_the_fetch_fun_is_pickled_at_start_not_at_registration(coord):
+    src = Sharded(100, 1, sizes=(10,))
+    register(coord, src, 10, names=("id", "x"), num_worker_processes=1)
+    src.n = 50  # as a source's feeder_bind would change it between registration and start()
+    coord.start()
+    got = [i for b in coord.feed("train") for i in b["id"].tolist()]
+    assert got == list(range(50))
+    assert pickle.loads(pickle.dumps(src)).n == 50
+
+
+def test_rows_held_for_coalescing_do_not_wait_on_a_blocking_fetch(coord):
+    register(coord, utils.four_tiny_then_block, 16, num_worker_processes=2)
+    coord.start()
+    batch = coord.feed("train").next_batch(timeout=3)  # the fetched rows make one whole batch
+    assert sorted(batch["x"].tolist()) == sorted(w * 100 + n for w in range(2) for n in (1, 2, 3, 4) for _ in range(2))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_start_methods_by_name_and_as_a_context(coord, method):
+    import multiprocessing
+    register(coord, Sharded(300, 1, sizes=(7,)), 10, names=("id", "x"), num_worker_processes=1,
+             mp_context=method if method == "spawn" else multiprocessing.get_context(method))
+    coord.start()
+    got = [i for b in coord.feed("train") for i in check_aligned(b).tolist()]
+    assert got == list(range(300))
+
+
+def test_a_process_stuck_in_c_code_holding_the_gil_still_shows_its_stack(coord):
+    register(coord, utils.regex_forever, 4, num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.FeedTimeout) as info:
+        coord.feed("train").next_batch(timeout=1.2)
+    msg = str(info.value)
+    assert "faulthandler" in msg and "regex_forever" in msg, msg
+    assert coord.stop() is True  # SIGTERM ends it: its control thread never gets the GIL
