@@ -15,6 +15,7 @@ from .feed import Feed, check_batch_size
 from .procfeed import ProcessOptions, check_picklable, get_context
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
+from .source import ChunkQueue
 
 log = logging.getLogger("feeder")
 
@@ -38,9 +39,10 @@ def _int(name: str, value: Any, minimum: int) -> int:
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not value > 0 or math.isnan(value):
+    seconds = float(value)
+    if not seconds > 0 or math.isnan(seconds):
         raise ValueError(f"{name} must be > 0 seconds, got {value}")
-    return float(value)
+    return seconds
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -171,11 +173,13 @@ def init_data_input_workers(
             raise ValueError(f"source {input_source_name!r}: every registration of a source must pass the same "
                              f"resume_from")
 
-    def make_feed(queue, worker_ids):
+    def make_feed(queue: ChunkQueue, worker_ids: List[int]) -> Feed:
+        validator = queue.validator
+        assert validator is not None  # _register sets the source's validator before it makes the feed
         return Feed(coordinator=coord, source=queue, session=session, input_names=names, specs=specs,
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
-                    last_batch=last_batch, log_interval=log_interval, validator=queue.validator,
+                    last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, cast
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner, intra_op_threads
-from .source import CLOSED, EMPTY, END, ChunkQueue
+from .source import CLOSED, EMPTY, END, Chunk, ChunkQueue
 from .sources.base import describe_source
 from .tuning import Throttle, Tuner
 from .workers import SLICE_S, ThreadFetchers
@@ -62,7 +62,7 @@ class Feed:
 
     def __init__(self, *, coordinator: Any, source: ChunkQueue, session: Any, input_names: Sequence[str],
                  specs: Sequence[InputSpec], batch_axes: Sequence[int], fetch_fun: Callable[[int, int], Any],
-                 batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable],
+                 batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable[..., Any]],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None):
@@ -233,6 +233,7 @@ class Feed:
             if item is END:
                 self._finish()
                 return
+            item = cast(Chunk, item)
             self._rows_taken += item.rows
             self._inflight_rows = item.rows  # in this thread's hands: still counted as held
             if self.dont_rebatch:
@@ -289,7 +290,7 @@ class Feed:
         if rb.pending_rows:
             if self.last_batch == "keep":
                 n = rb.pending_rows
-                if not self._emit(rb.flush(), n):
+                if not self._emit(cast(List[np.ndarray], rb.flush()), n):
                     return
             else:
                 nbytes = rb.pending_nbytes
@@ -337,7 +338,7 @@ class Feed:
         self.counters.took(item.rows, item.nbytes, now - start, start, now)
         if self.source.max_bytes is not None:
             self.source.notify_room()
-        return item
+        return cast(PreparedBatch, item)
 
     def _wait_ready(self, start: float, deadline: float) -> Any:
         """Wait in short slices for the next item of the ready queue, or raise."""

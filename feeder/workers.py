@@ -26,7 +26,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError
@@ -162,7 +164,7 @@ class Coalescer:
             self.returned.wait()
             self.returned.clear()
 
-    def _put_raw(self, arrays: tuple, rows: int, put: Callable[[Chunk], bool]) -> bool:
+    def _put_raw(self, arrays: Tuple[np.ndarray, ...], rows: int, put: Callable[[Chunk], bool]) -> bool:
         if not put(Chunk(self._wid, arrays, rows)):
             return False
         self.offset = (self.offset + rows) % self.rb.batch_size
@@ -182,7 +184,7 @@ class Coalescer:
             self.held_since = 0.0
         return True
 
-    def add(self, arrays: tuple, rows: int, bs: int, now: float, slow_call: bool) -> bool:
+    def add(self, arrays: Tuple[np.ndarray, ...], rows: int, bs: int, now: float, slow_call: bool) -> bool:
         """Take a validated chunk; put what makes whole batches. False if a put failed (stop)."""
         rb = self.rb
         if bs != rb.batch_size:
@@ -282,12 +284,12 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             state.since = monotonic()  # with the state: what a FeedTimeout diagnosis reports
             state.calls += 1
             parked = co is not None and co.held_since  # park (see Coalescer)
-            if parked:
+            if parked and co is not None:
                 co.parked.append(True)
             try:
                 raw = fetch_fun(wid, bs)
             except StopIteration:
-                if parked:
+                if parked and co is not None:
                     co.reclaim()
                 if co is not None and not co.put_pending():
                     return
@@ -297,7 +299,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                     throttle.ended(wid)
                 return
             except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
-                if parked:
+                if parked and co is not None:
                     co.reclaim()
                 if stop.is_set():
                     return
@@ -317,7 +319,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.set("failed")
                 source.fail(Failure(FetchError(msg), e))
                 return
-            if parked:  # reclaim (inline for speed)
+            if parked and co is not None:  # reclaim (inline for speed)
                 try:
                     co.parked.pop()
                 except IndexError:
