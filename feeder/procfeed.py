@@ -434,6 +434,13 @@ class ProcFetchers:
                         "skipping that call. Its traceback:\n%s", source.name, state.worker_id, n,
                         self._max_fetch_errors, w.pid, tb, exc_info=cause)
             return False
+        if where == "fetch_fun" and isinstance(cause, InputValidationError):
+            # A source found bad data (feeder.sources: a null in a column): the same error as in threads.
+            w.done = True
+            state.set("failed")
+            source.fail(Failure(InputValidationError(f"source {source.name!r}, worker {state.worker_id}: {cause} "
+                                                     f"(in worker process pid {w.pid})"), cause))
+            return True
         msg_text = f"source {source.name!r}, worker {state.worker_id}: {where} raised {short}: {text}"
         if where == "fetch_fun" and self._max_fetch_errors:
             msg_text += f" (fetch error {n}, more than max_fetch_errors={self._max_fetch_errors})"

@@ -52,12 +52,14 @@ def files(tmp_path):
 INPUTS = ["id", "score", "img", "tensor", "pair", "name", "flag"]
 
 
-def consume(source, *, inputs=INPUTS, workers=3, ordered=False, batch_size=16, take=None, resume=None, replicas=1):
+def consume(source, *, inputs=INPUTS, workers=3, ordered=False, batch_size=16, take=None, resume=None, replicas=1,
+            processes=0):
     coord = feeder.GlobalCoordinator(join_timeout=3.0)
     try:
         for _ in range(replicas):
             feeder.init_data_input_workers(None, inputs, source, batch_size, num_worker_threads=workers,
-                                           coordinator=coord, ordered=ordered, resume_from=resume)
+                                           coordinator=coord, ordered=ordered, resume_from=resume,
+                                           **({"num_worker_processes": processes} if processes else {}))
         coord.start()
         got, live, i = [], list(coord.feeds("train")), 0
         while live and (take is None or len(got) < take):
@@ -133,14 +135,15 @@ def test_a_state_from_other_files_or_columns_is_refused(files, tmp_path):
                                        resume_from=state)
 
 
-def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
+def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(tmp_path, processes):
     path = tmp_path / "nulls.parquet"
     pq.write_table(pa.table({"x": pa.array([1.0, None, 3.0] * 10), "ok": pa.array(np.arange(30.0))}), path,
                    row_group_size=10)
-    got, _ = consume(ParquetSource(path), inputs=["ok"])
+    got, _ = consume(ParquetSource(path), inputs=["ok"], processes=processes)
     assert sum(len(b["ok"]) for b in got) == 30
     with pytest.raises(feeder.InputValidationError, match="column 'x'.*null"):
-        consume(ParquetSource(path), inputs=["x"])
+        consume(ParquetSource(path), inputs=["x"], processes=processes)
     lists = tmp_path / "list_nulls.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, None]] * 4, pa.list_(pa.float64(), 2))}), lists)
     with pytest.raises(feeder.InputValidationError, match="column 'v'.*null"):
