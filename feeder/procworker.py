@@ -306,10 +306,13 @@ def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int]
     stacks = new_fd(STACKS_BYTES, "feeder-stacks")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     control_fd = new_fd(CONTROL_BYTES, "feeder-control")
-    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
-    control = ControlPage(map_fd(control_fd, CONTROL_BYTES))
+    control = ControlPage(map_fd(os.dup(control_fd), CONTROL_BYTES))
+    # Initial values first: from the hello on, the parent alone writes these fields (a batch size
+    # reset or a parked worker set before the hello must not be overwritten).
     control.fields[BATCH_SIZE] = batch_size
     control.fields[GO] = 1
+    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    os.close(control_fd)
     child = _Child(chan, control, worker_id)
     ctl = threading.Thread(target=child.control_loop, args=(ppid,), name="feeder:control", daemon=True)
     ctl.start()

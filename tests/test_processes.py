@@ -317,6 +317,26 @@ def test_max_fetch_errors_in_processes(coord, caplog):
     assert sum("tolerated" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_a_parked_process_makes_no_call_until_it_is_let_run(coord):
+    register(coord, Sharded(10**8, 2, sizes=(64,), delay=0.001), 64, names=("id", "x"),
+             num_worker_processes="auto")
+    coord.start()
+    feed = coord.feed("train")
+    feed._tuner = None  # drive the throttle by hand (the tuner would move it meanwhile)
+    parked = feed._workers[-1]
+    feed._throttle.set_limit(len(feed._workers) - 1)
+    wait_until(lambda: feed.metrics()["active_workers"] == len(feed._workers) - 1, what="one parked process")
+    for _ in range(20):
+        feed.next_batch()
+    calls = parked.calls
+    time.sleep(0.3)
+    for _ in range(20):
+        feed.next_batch()
+    assert parked.calls <= calls + 1  # at most the call it was in when parked
+    feed._throttle.set_limit(len(feed._workers))
+    wait_until(lambda: parked.calls > calls + 5, what="the process to run again")
+
+
 def test_auto_runs_and_reports_active_workers(coord):
     register(coord, Sharded(10**7, 2, sizes=(64,)), 64, names=("id", "x"), num_worker_processes="auto")
     coord.start()
