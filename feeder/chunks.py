@@ -86,6 +86,13 @@ class ChunkValidator:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        # Unpickled dtypes equal numpy's own dtype objects but are not them, and the fast path
+        # compares by identity: without this, every chunk in a worker process took the full
+        # checks (about 3 us a chunk, most of a tiny chunk's cost).
+        if self._fast is not None:
+            self._fast = [(np.dtype(d.str), ax, other, ndim) for d, ax, other, ndim in self._fast]
+            if self._single is not None:
+                self._single = (self._fast[0][0],) + tuple(self._single[1:])
 
     def _build_fast(self) -> None:
         """Precompute the per-input (dtype, axis, rank, other dims) of the fast path, once every

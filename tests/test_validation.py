@@ -303,3 +303,27 @@ def test_batch_buffers_never_cast_silently():
     rb.add([np.full((2, 1), 2**40 + 5, np.int64)])
     with pytest.raises(TypeError):
         rb.pop()
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_a_pickled_validator_keeps_its_fast_path(inputs):
+    """Worker processes get the source's validator by pickle; its fast path compares dtypes by
+    identity, so unpickled dtypes must be numpy's own objects again or every chunk is checked in full."""
+    import pickle
+
+    from feeder.chunks import ChunkValidator, InputSpec
+
+    names = ["x", "y"][:inputs]
+    v = ChunkValidator("train", names, [0] * inputs, [InputSpec(n) for n in names], cast=False, dont_rebatch=False)
+    chunk = [np.ones((4, 8), np.float32), np.zeros(4, np.int64)][:inputs]
+    v.check(chunk, 0)  # learns dtype and shape
+    assert v._fast is not None
+    copy = pickle.loads(pickle.dumps(v))
+    full = []
+    original = ChunkValidator.__call__
+    try:
+        ChunkValidator.__call__ = lambda self, c, w: full.append(w) or original(self, c, w)
+        arrays, rows = copy.check(chunk, 0)
+    finally:
+        ChunkValidator.__call__ = original
+    assert rows == 4 and full == []
