@@ -166,7 +166,8 @@ def scenarios() -> List[Scenario]:
 
 
 SWEEP = ["1", "2", "3", "auto"]  # fetcher threads in a sweep
-SWEEP_GOALS = {"auto / best fixed": 0.95, "2 / 1 fetchers": 0.95}
+SWEEP_PROCS = ["1", "2", "auto"]  # worker processes in a sweep
+SWEEP_GOALS = {"auto / best fixed": 0.95, "2 / 1 fetchers": 0.95, "auto / best fixed procs": 0.95}
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -219,18 +220,19 @@ def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = N
         return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
 
 
-def peer_feeder_procs(sc: Scenario, seconds: float) -> float:
-    """feeder with ``sc.workers`` worker processes (forkserver) instead of threads."""
+def peer_feeder_procs(sc: Scenario, seconds: float, workers: Union[int, str, None] = None) -> float:
+    """feeder with ``sc.workers`` (or ``workers``) worker processes (forkserver) instead of threads."""
     session = make_session(sc.model, sc.threads) if sc.model else None
     coord = feeder.GlobalCoordinator()
-    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, num_worker_processes=sc.workers,
+    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size,
+                                   num_worker_processes=sc.workers if workers is None else workers,
                                    coordinator=coord, timeout=60)
     with coord:
         feed = coord.feed("train")
         if session is None:
-            return timed(iter(lambda: feed.next_batch(), None), seconds, lambda b: len(b["x"]))
+            return timed(iter(lambda: feed.next_batch(), None), seconds, lambda b: len(b["x"]), warmup_s=sc.warmup_s)
         bs = sc.batch_size
-        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs)
+        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
 
 
 def limit_fetch(sc: Scenario, seconds: float) -> float:
@@ -387,6 +389,8 @@ def run(args) -> dict:
         if sc.sweep:
             runners = [(f"{w} thr", functools.partial(peer_feeder, workers=w if w == "auto" else int(w)))
                        for w in SWEEP]
+            runners += [(f"{w} proc", functools.partial(peer_feeder_procs, workers=w if w == "auto" else int(w)))
+                        for w in SWEEP_PROCS]
             runners.append(("serial", peer_serial))
         else:
             runners = [(name, fn) for name, fn in PEERS.items()
@@ -430,8 +434,12 @@ def run(args) -> dict:
 def sweep_result(sc: Scenario, r: Dict[str, float]) -> dict:
     fixed = {w: r[f"{w} thr"] for w in SWEEP if w != "auto"}
     best = max(fixed, key=lambda w: fixed[w])
+    procs = {w: r[f"{w} proc"] for w in SWEEP_PROCS if w != "auto"}
+    best_p = max(procs, key=lambda w: procs[w])
     ratios = {"auto / best fixed": r["auto thr"] / fixed[best], "2 / 1 fetchers": fixed["2"] / fixed["1"],
-              "best threads / serial": fixed[best] / r["serial"], "auto / serial": r["auto thr"] / r["serial"]}
+              "auto / best fixed procs": r["auto proc"] / procs[best_p],
+              "best threads / serial": fixed[best] / r["serial"], "auto / serial": r["auto thr"] / r["serial"],
+              "best procs / serial": procs[best_p] / r["serial"]}
     goals = dict(SWEEP_GOALS)
     if sc.key == "s-large":
         goals["best threads / serial"] = 0.8
@@ -441,7 +449,7 @@ def sweep_result(sc: Scenario, r: Dict[str, float]) -> dict:
 
 
 def sweep_table(results: dict) -> str:
-    cols = [f"{w} thr" for w in SWEEP] + ["serial"]
+    cols = [f"{w} thr" for w in SWEEP] + [f"{w} proc" for w in SWEEP_PROCS] + ["serial"]
     lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | ratios | goals |",
              "|---" * (len(cols) + 3) + "|"]
     for key, res in results.items():
