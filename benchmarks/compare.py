@@ -461,6 +461,9 @@ def sweep_table(results: dict) -> str:
         goals = ", ".join(f"{k} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
                           for k, c in res["targets"].items())
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {goals} |")
+    return "\n".join(lines)
+
+
 def proc_table(results: dict) -> str:
     """Worker processes: rows/s of every peer and (feeder procs)/peer, for the scenarios that ran them."""
     cols = ["feeder procs", "feeder", "serial", "torch", "fetch alone", "model alone", "two-core limit", "memcpy"]

@@ -9,8 +9,9 @@ Two pieces:
   ``GAIN``; it tries one fewer now and then and keeps that if throughput holds within
   ``HOLD`` (fewer fetchers contend less for the GIL, cores and caches). A probe that failed
   is not repeated for a while (``COOLDOWN`` windows, doubling up to ``COOLDOWN_MAX`` each
-  time it fails again), so a changed workload (a fetch that became I/O-bound, a consumer
-  that slowed down) is found again without constant churn. A step up that paid off by
+  time it fails again; one that lost more than 15% waits twice that), so a changed workload
+  (a fetch that became I/O-bound, a consumer that slowed down) is found again without
+  constant churn. A step up that paid off by
   ``FAST`` or more is followed by the next one at once, so an I/O-bound fetch that needs
   eight fetchers gets them in seconds, not in tens of windows.
 * :class:`Throttle`: which fetchers may call ``fetch_fun`` now. The first ``limit`` fetchers
@@ -29,6 +30,7 @@ GAIN = 1.05           # one more fetcher is kept only if rows/s rise at least th
 HOLD = 0.97           # one fewer is kept if rows/s stay at least this share
 WAITING = 0.05        # consumers waiting this share of a window are waiting for data
 FAST = 1.25           # a step up that gained this much is followed at once by the next (no steady windows)
+COSTLY = 0.85         # a probe that lost more than this share waits twice as long before the next
 COOLDOWN = 4          # windows before a failed probe in the same direction is tried again ...
 COOLDOWN_MAX = 32     # ... doubling each time it fails, up to this many
 
@@ -97,8 +99,10 @@ class Tuner:
             else:
                 self._note(f"{self._probe} fetchers did not help ({base:,.0f} -> {rate:,.0f} rows/s); "
                            f"back to {self.active}")
-                self._cool[direction] = self._cool_len[direction]
-                self._cool_len[direction] = min(COOLDOWN_MAX, 2 * self._cool_len[direction])
+                # A probe that cost a lot is retried less often: each probe costs its two windows.
+                grow = 4 if rate < base * COSTLY else 2
+                self._cool[direction] = self._cool_len[direction] * (grow // 2)
+                self._cool_len[direction] = min(COOLDOWN_MAX, grow * self._cool_len[direction])
                 self._skip = True
             self._probe = None
             return

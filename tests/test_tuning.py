@@ -150,3 +150,14 @@ def test_throttle_hands_an_ended_workers_place_to_a_parked_one():
     assert th.active == {1} and th.wait(1, 0.0)
     th.set_limit(5)
     assert th.active == {1, 2}
+
+
+def test_a_probe_that_cost_much_is_retried_later_than_one_that_cost_little():
+    def probes(loss):
+        history = drive(Tuner(8), lambda k: 1000.0 if k == 1 else 1000.0 * (1 - loss), windows=60)
+        return [i for i, k in enumerate(history) if k == 2 and (i == 0 or history[i - 1] == 1)]
+
+    costly, cheap = probes(0.3), probes(0.08)
+    assert costly[0] == cheap[0]  # the first probe comes as soon as the baseline is known
+    assert costly[1] - costly[0] > cheap[1] - cheap[0], (costly, cheap)
+    assert len(costly) < len(cheap)

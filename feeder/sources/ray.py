@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import InputValidationError
 from .base import ROW_KEY, SourceBinding
 
 log = logging.getLogger("feeder")
@@ -131,7 +132,8 @@ class _Shard:
         out = []
         for name, column in self.columns:
             if column not in batch:
-                raise ValueError(f"RayDataSource for source {self.source_name!r}: column {column!r} (input "
+                # a ValueError too: the consumer sees the column named, as at registration
+                raise InputValidationError(f"RayDataSource for source {self.source_name!r}: column {column!r} (input "
                                  f"{name!r}) is not in the dataset; its columns are {sorted(batch)}")
             out.append(np.asarray(batch[column]))
         return out
@@ -247,7 +249,11 @@ class RayDataSource:
         return [(name, self.columns[name]) for name in input_names]
 
     def _check_schema(self, pairs: Sequence[Tuple[str, str]]) -> None:
-        """Missing columns, where the schema is known without running the dataset (else the first batch)."""
+        """Missing columns are a ValueError at registration where the plan knows its schema without
+        running. Otherwise (a ``map_batches`` may rename columns) the first batch checks and the
+        consumer gets an InputValidationError (a ValueError) naming the column: learning the schema
+        here would run the pipeline's first block, which waits forever when the cluster cannot
+        place it (registration must never hang)."""
         rd = _import_ray_data()
         if not isinstance(self.dataset, rd.Dataset):
             return
