@@ -474,3 +474,24 @@ def test_a_process_stuck_in_c_code_holding_the_gil_still_shows_its_stack(coord):
     msg = str(info.value)
     assert "faulthandler" in msg and "regex_forever" in msg, msg
     assert coord.stop() is True  # SIGTERM ends it: its control thread never gets the GIL
+
+
+def minor_faults(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_fresh_large_arrays_in_a_process_do_not_fault_every_page_in_again(coord):
+    """glibc unmaps or trims a freed multi-megabyte array, so each fresh one faulted all its pages in
+    anew (746 faults a batch of two 3 MB chunks); a worker process keeps freed memory for reuse."""
+    register(coord, utils.FreshSlices(), 128, names=("x",), num_worker_processes=1)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(10):
+        feed.next_batch()
+    (pid,) = child_pids(feed)
+    before = minor_faults(pid)
+    for _ in range(40):
+        feed.next_batch()
+    per_batch = (minor_faults(pid) - before) / 40
+    assert per_batch < 100, per_batch  # 2 x 768 pages a batch if every page were fresh

@@ -308,3 +308,18 @@ def until(seconds: float):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         yield
+
+
+class FreshSlices:
+    """A copy of 64 rows of 3x64x64 float32 (3 MB) from a pool, fresh per call, as a decoding fetch
+    makes; the pool is built in the process (not pickled) and sits below the fresh arrays."""
+
+    def __init__(self, pool_rows: int = 512):
+        self.pool_rows = pool_rows
+        self.pool = None
+
+    def __call__(self, worker_id: int, batch_size: int):
+        if self.pool is None:
+            self.pool = np.ones((self.pool_rows, 3, 64, 64), np.float32)
+        start = (worker_id * 64) % (self.pool_rows - 64)
+        return [self.pool[start:start + 64].copy()]
