@@ -121,6 +121,9 @@ def init_data_input_workers(
     else:
         num_workers = _int("num_worker_processes", num_worker_processes, 0) or num_worker_threads
     if num_worker_processes != 0:
+        if getattr(fetch_fun, "feeder_threads_only", False):
+            raise TypeError(f"fetch_fun {type(fetch_fun).__name__} runs in fetcher threads only: use "
+                            f"num_worker_threads, not num_worker_processes")
         if worker_init_fun is not None and not callable(worker_init_fun):
             raise TypeError(f"worker_init_fun must be callable or None, got {type(worker_init_fun).__name__}")
         if seed is not None:

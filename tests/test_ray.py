@@ -154,6 +154,14 @@ def test_a_missing_column_is_a_value_error_naming_it(ray_local, coord):
             coord.feed("ray").next_batch()
 
 
+def test_worker_processes_are_refused_at_registration(ray_local, coord):
+    from feeder.sources import RayDataSource
+
+    with pytest.raises(TypeError, match="fetcher threads only"):
+        feeder.init_data_input_workers(None, ["id"], RayDataSource(ray_local.data.range(10)), 4,
+                                       num_worker_processes=2, coordinator=coord)
+
+
 def test_resume_is_refused_at_registration(ray_local, coord):
     from feeder.sources import RayDataSource
 

@@ -191,6 +191,9 @@ class RayDataSource:
     :class:`RayStallError` (a ``FetchError`` to consumers).
     """
 
+    # Ray already runs the pipeline in its own processes; a shard iterator lives in this process.
+    feeder_threads_only = True
+
     def __init__(self, dataset: Any, columns: Optional[Mapping[str, str]] = None, *,
                  batch_size: Optional[int] = None, prefetch_batches: int = 1, stall_timeout: float = 300.0):
         rd = _import_ray_data()
