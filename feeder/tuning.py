@@ -92,6 +92,8 @@ class Tuner:
                 self._steady.clear()
                 self._steady.append(rate)
                 self._cool_len[direction] = COOLDOWN
+                # It just showed that this count beats the other: do not probe straight back.
+                self._cool[-direction] = max(self._cool[-direction], self._cool_len[-direction])
                 if up and rate >= base * FAST and waiting >= WAITING and self.active < self.max_workers:
                     self._probe = self.active + 1
                     self._skip = True

@@ -161,3 +161,12 @@ def test_a_probe_that_cost_much_is_retried_later_than_one_that_cost_little():
     assert costly[0] == cheap[0]  # the first probe comes as soon as the baseline is known
     assert costly[1] - costly[0] > cheap[1] - cheap[0], (costly, cheap)
     assert len(costly) < len(cheap)
+
+
+def test_a_kept_step_is_not_probed_straight_back():
+    """Two fetchers just beat one: probing one again in the next windows would only cost rows."""
+    tuner = Tuner(2)
+    history = drive(tuner, lambda k: 1000.0 * k, windows=14)
+    first_two = history.index(2)
+    kept_at = first_two + 2  # the probe's two windows
+    assert history.index(1, kept_at) >= kept_at + COOLDOWN, history
