@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from .procworker import worker_main
-from .shm import ACKED, BATCH_SIZE, GO, STOP, Channel, ControlPage, arrays_from_slot, map_fd
+from .shm import ACKED, BATCH_SIZE, GO, MAX_SLOTS, STOP, Channel, ControlPage, arrays_from_slot, map_fd
 from .source import CLOSED, Chunk, ChunkQueue
 from .tuning import Throttle
 from .workers import IN_FETCH, SLICE_S, WorkerState
@@ -48,6 +48,10 @@ from .workers import IN_FETCH, SLICE_S, WorkerState
 log = logging.getLogger("feeder")
 
 DEATH_JOIN_S = 1.0      # a child whose channel closed gets this long to report its exit status
+# A consumer that keeps its batches (``list(feed)``) keeps their shared-memory slots, and a child
+# has MAX_SLOTS of them: past this many held, chunks are copied out of their slot at once (the slot
+# comes back) instead of being handed on as views, so hoarding costs a copy, never a deadlock.
+HOARD_SLOTS = MAX_SLOTS // 2
 STACK_WAIT_S = 0.5      # a diagnosis waits this long in all for the children's stacks
 DEFAULT_STOP_S = 5.0    # the reaper's budget when the caller gives no deadline
 PRELOAD = ["feeder.procworker"]  # imported once in the forkserver, so each child starts in milliseconds
@@ -384,8 +388,14 @@ class ProcFetchers:
             w.maps[slot] = map_fd(chan.recv_fds(1)[0], sizes[0])
         arrays, base = arrays_from_slot(w.maps[slot] if slot is not None else None, layout, total)
         if base is not None:
-            weakref.finalize(base, w.control.release, slot)
-            del base
+            busy = w.control.busy
+            if len(w.maps) >= HOARD_SLOTS and sum(busy[s] for s in w.maps) >= HOARD_SLOTS:
+                arrays = tuple(a.copy() if a.base is not None else a for a in arrays)
+                del base
+                w.control.release(slot)
+            else:
+                weakref.finalize(base, w.control.release, slot)
+                del base
         wid = state.worker_id
         try:
             arrays, checked = self._validator.check(arrays, wid)

@@ -57,6 +57,19 @@ def test_every_row_once_aligned_and_the_ledger_balances(coord):
     assert feed.worker_ids == [0, 1, 2]
 
 
+def test_a_consumer_that_keeps_every_batch_never_runs_out_of_shared_memory_slots(coord):
+    """Batches of one slot each are handed out as views of it; a consumer keeping all of them (a
+    list(feed)) holds every slot. Past half of a process's slots, chunks are copied out instead."""
+    from feeder.shm import MAX_SLOTS
+
+    n = (MAX_SLOTS + 200) * 10
+    register(coord, Sharded(n, 1, sizes=(10,)), 10, names=("id", "x"), num_worker_processes=1)
+    coord.start()
+    kept = [b["id"] for b in coord.feed("train")]  # would wait for a free slot forever at MAX_SLOTS
+    assert len(kept) == n // 10
+    assert np.array_equal(np.concatenate(kept), np.arange(n))
+
+
 def test_a_chunk_of_one_batch_reaches_the_consumer_without_a_copy(coord):
     register(coord, Sharded(64 * 20, 1, sizes=(64,), width=256), 64, names=("id", "x"), num_worker_processes=1)
     coord.start()
