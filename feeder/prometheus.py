@@ -14,10 +14,11 @@ Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` wit
 source are added up into the source's series: their per-feed counts and rates are summed,
 and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
 ``live_workers``, ``batch_size``, ``uptime_s``) is taken from the replica that reported last.
-Monotonic totals (``batches``, ``rows``, ``fetch_calls``, ``bytes_delivered``, ...) are
-counters, exposed with Prometheus' ``_total`` suffix (``feeder_batches_total``; the family is
-``feeder_batches``) and still growing across a stop and a new registration of the same
-source; the rest are gauges. Values are the feeds' latest reports (every ``log_interval`` and
+Every series is a gauge, so that its name is exactly ``<namespace>_<metric>`` (a
+Prometheus counter would be exposed as ``<namespace>_<metric>_total``). The monotonic totals
+(``batches``, ``rows``, ``fetch_calls``, ``bytes_delivered``, ...: ``COUNTERS``) still only
+grow, across a stop and a new registration of the same source too, so ``rate()`` and
+``increase()`` work on them as on counters. Values are the feeds' latest reports (every ``log_interval`` and
 at stop): a scrape never touches the feeds' threads.
 
 How the feed tells the logger its source: ``PrometheusLogger`` sets ``log_with_feed = True``,
@@ -128,15 +129,13 @@ class _Collector:
         return []  # names appear as sources report; nothing to check at registration
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
 
         values = sorted(self.values().items())
         for key in sorted({k for _, m in values for k in m}):
             name = metric_name(self.namespace, key)
-            if key in COUNTERS:
-                family: Any = CounterMetricFamily(name, f"feeder metric {key!r} (total)", labels=LABELS)
-            else:
-                family = GaugeMetricFamily(name, f"feeder metric {key!r}", labels=LABELS)
+            what = "total so far, only grows" if key in COUNTERS else "latest value"
+            family = GaugeMetricFamily(name, f"feeder metric {key!r} ({what})", labels=LABELS)
             for source, m in values:
                 if key in m:
                     family.add_metric([source], m[key])

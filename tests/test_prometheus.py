@@ -55,14 +55,15 @@ def test_scrape_shows_each_source_with_its_values(coord):
     assert coord.stop()  # the final report reaches the logger before stop() returns
     got = scrape(registry)
     s, types = got["samples"], got["types"]
-    assert types["feeder_batches"] == "counter" and types["feeder_queue_size"] == "gauge"
-    assert types["feeder_bytes_delivered"] == "counter" and types["feeder_inputs_per_sec"] == "gauge"
-    assert s["feeder_batches_total"] == {"train": 5.0, "test": 2.0}
-    assert s["feeder_rows_total"] == {"train": 20.0, "test": 8.0}
-    assert s["feeder_bytes_delivered_total"]["train"] == 5 * 4 * 2 * 4
+    # API.md: every series is named <namespace>_<metric>, counters included (no _total suffix)
+    assert types["feeder_batches"] == "gauge" and types["feeder_queue_size"] == "gauge"
+    assert not any(name.endswith("_total") for name in s), sorted(s)
+    assert s["feeder_batches"] == {"train": 5.0, "test": 2.0}
+    assert s["feeder_rows"] == {"train": 20.0, "test": 8.0}
+    assert s["feeder_bytes_delivered"]["train"] == 5 * 4 * 2 * 4
     assert s["feeder_batch_size"] == {"train": 4.0, "test": 4.0}
-    assert s["feeder_fetch_calls_total"]["train"] >= 2
-    assert s["feeder_source_rows_delivered_total"] == {"train": 20.0, "test": 8.0}
+    assert s["feeder_fetch_calls"]["train"] >= 2
+    assert s["feeder_source_rows_delivered"] == {"train": 20.0, "test": 8.0}
 
 
 def test_replicas_add_up_into_their_source_and_loggers_share_a_registry(coord):
@@ -79,10 +80,10 @@ def test_replicas_add_up_into_their_source_and_loggers_share_a_registry(coord):
     feeds[1].next_batch(timeout=10)
     assert coord.stop()
     s = scrape(registry)["samples"]
-    assert s["feeder_batches_total"] == {"score": 4.0}  # 3 + 1: the replicas add up
-    assert s["feeder_source_rows_delivered_total"] == {"score": 12.0}  # the source's own: not doubled
+    assert s["feeder_batches"] == {"score": 4.0}  # 3 + 1: the replicas add up
+    assert s["feeder_source_rows_delivered"] == {"score": 12.0}  # the source's own: not doubled
     assert s["feeder_batch_size"] == {"score": 3.0}
-    assert s["job_batches_total"] == s["feeder_batches_total"]
+    assert s["job_batches"] == s["feeder_batches"]
 
 
 def test_plain_loggers_still_get_log_metrics_only(coord):
@@ -148,5 +149,5 @@ def test_counters_survive_a_gone_feed_and_hand_calls_name_their_source():
     registry = prometheus_client.CollectorRegistry()
     prom = feeder.PrometheusLogger(registry=registry, namespace="app")
     prom.log({"rows": 5.0, "queue_size": 1.0}, source="manual")
-    assert registry.get_sample_value("app_rows_total", {"source": "manual"}) == 5.0
+    assert registry.get_sample_value("app_rows", {"source": "manual"}) == 5.0
     assert registry.get_sample_value("app_queue_size", {"source": "manual"}) == 1.0
