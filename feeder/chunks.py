@@ -229,6 +229,8 @@ class ChunkValidator:
                 raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
             return a
         if a.dtype.kind == "O":
+            if self.learn and not self._learned and spec.dtype is None and _all_strings(a):
+                return a  # a string input, learned from this first chunk (Ray Data hands strings so)
             raise self._fail(worker_id, spec.name, f"a numeric array{_want(spec.dtype)}",
                              f"dtype object (shape {a.shape}); object arrays are accepted only for string inputs")
         want = spec.dtype
@@ -266,19 +268,25 @@ class ChunkValidator:
                 return False
             # A str/bytes array makes a string input (any width; object arrays of str accepted too);
             # any other dtype is fixed to the first chunk's.
+            strings = [s.is_string or a.dtype.kind in "US" or (a.dtype.kind == "O" and _all_strings(a))
+                       for s, a in zip(self.specs, arrays)]
             self.specs = [
                 InputSpec(s.name,
-                          None if s.is_string or a.dtype.kind in "US"
-                          else (s.dtype if s.dtype is not None else a.dtype),
+                          None if is_str else (s.dtype if s.dtype is not None else a.dtype),
                           tuple(None if d == ax else a.shape[d] for d in range(a.ndim)),
-                          s.is_string or a.dtype.kind in "US")
-                for s, a, ax in zip(self.specs, arrays, self.axes)]
+                          is_str)
+                for s, a, ax, is_str in zip(self.specs, arrays, self.axes, strings)]
             self._learned = True
             self._build_fast()
             return True
 
 
 _LEARNED = " like the source's first chunk"
+
+
+def _all_strings(a: np.ndarray) -> bool:
+    """An object array holding only str (or bytes): what a string input may get without a session."""
+    return a.size > 0 and all(isinstance(x, (str, bytes)) for x in a.flat)
 
 
 def _spec_text(spec: InputSpec) -> str:

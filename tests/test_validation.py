@@ -327,3 +327,24 @@ def test_a_pickled_validator_keeps_its_fast_path(inputs):
     finally:
         ChunkValidator.__call__ = original
     assert rows == 4 and full == []
+
+
+def test_object_arrays_of_strings_make_a_string_input_without_a_session(coord, mode):
+    """API.md: an object dtype is bad "other than for a string input". Without a session the
+    source's first chunk decides: an object array holding only str is a string input (Ray Data
+    hands string columns so); one holding anything else is refused."""
+    names = np.array([f"s{i}" for i in range(3)], dtype=object)
+    feeder.init_data_input_workers(None, ["a", "t"], Const([GOOD_A, names]), 4, coordinator=coord, timeout=10,
+                                   **workers(mode, 1))
+    coord.start()
+    batch = coord.feed("train").next_batch()
+    assert list(batch["t"]) == ["s0", "s1", "s2", "s0"] and batch["a"].shape == (4, 4)
+
+
+def test_object_arrays_of_anything_else_are_still_refused_without_a_session(coord, mode):
+    mixed = np.array(["s", 1, 2.0], dtype=object)
+    feeder.init_data_input_workers(None, ["a", "t"], Const([GOOD_A, mixed]), 4, coordinator=coord, timeout=10,
+                                   **workers(mode, 1))
+    coord.start()
+    with pytest.raises(feeder.InputValidationError, match="input 't'.*object"):
+        coord.feed("train").next_batch()
