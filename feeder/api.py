@@ -171,6 +171,14 @@ def init_data_input_workers(
     validate = getattr(fetch_fun, "feeder_validate", None)
     if validate is not None:  # e.g. a column the source does not have, a state of another source
         validate(tuple(public_names(names)), resume_from)
+    if hasattr(fetch_fun, "feeder_bind"):
+        # A source is bound to one source name's workers (its shards, ledger and resume state);
+        # a second name would take it from the first.
+        for other in coord._feeds:
+            if other.fetch_fun is fetch_fun and other.input_source_name != input_source_name:
+                raise ValueError(f"this {type(fetch_fun).__name__} already feeds source {other.input_source_name!r}; "
+                                 f"a source object feeds one input_source_name: create another for "
+                                 f"{input_source_name!r}")
     for other in coord.feeds(input_source_name):
         if other.fetch_fun is fetch_fun and other.resume_from != resume_from:
             raise ValueError(f"source {input_source_name!r}: every registration of a source must pass the same "

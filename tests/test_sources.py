@@ -416,3 +416,19 @@ def test_worker_processes_shard_checkpoint_and_resume_exactly(ordered, replicas)
     assert Counter(rows_of(before + after)) == every
     if ordered:
         assert [b.tolist() for b in before + after] == [b.tolist() for b in full]
+
+
+def test_one_source_object_feeds_one_source_name():
+    """Different names never share data: a second name would take the source's shards and
+    ledger from the first, so it is refused at registration."""
+    coord = feeder.GlobalCoordinator()
+    src = ArraySource({"x": np.arange(100).reshape(-1, 1)})
+    feeder.init_data_input_workers(None, ["x"], src, 10, coordinator=coord, input_source_name="train")
+    with pytest.raises(ValueError, match="already feeds source 'train'.*'eval'"):
+        feeder.init_data_input_workers(None, ["x"], src, 10, coordinator=coord, input_source_name="eval")
+    feeder.init_data_input_workers(None, ["x"], ArraySource({"x": np.arange(100).reshape(-1, 1)}), 10,
+                                   coordinator=coord, input_source_name="eval")
+    with coord:
+        train = np.concatenate([b["x"] for b in coord.feed("train")])
+        evals = np.concatenate([b["x"] for b in coord.feed("eval")])
+    assert sorted(train.ravel()) == sorted(evals.ravel()) == list(range(100))
