@@ -271,10 +271,15 @@ def test_a_state_of_another_source_definition_is_refused_saying_what_differs(coo
              (ArraySource({"x": np.arange(100)}, shuffle=True, seed=2), "seed"),
              (ArraySource({"x": np.arange(100)}, seed=1), "shuffle"),
              (ArraySource({"x": np.arange(100, dtype=np.float32)}, shuffle=True, seed=1), "arrays"),
-             (ArraySource({"x": np.arange(100)[::-1].copy()}, shuffle=True, seed=1), "sample")]
+             (ArraySource({"x": np.arange(100)[::-1].copy()}, shuffle=True, seed=1), "sample"),
+             # one value in the middle differs: still other data
+             (ArraySource({"x": np.where(np.arange(100) == 50, -1, np.arange(100))}, shuffle=True, seed=1), "sample"),
+             # the same values under another input name
+             (ArraySource({"w": np.arange(100)}, shuffle=True, seed=1), "names")]
     for other, what in cases:
+        inputs = list(other.names)
         with pytest.raises(ValueError, match=what):
-            feeder.init_data_input_workers(None, ["x"], other, 8, coordinator=coord, resume_from=state)
+            feeder.init_data_input_workers(None, inputs, other, 8, coordinator=coord, resume_from=state)
     with pytest.raises(ValueError, match="state_dict"):
         feeder.init_data_input_workers(None, ["x"], src, 8, coordinator=coord, resume_from={"delivered": []})
 

@@ -11,6 +11,10 @@ from .base import ShardedSource
 BLOCK_ROWS = 1024  # rows per unit of work: what one fetch returns, and what a shuffle keeps together
 
 
+FULL_HASH_BYTES = 64 << 20  # data up to this size is hashed whole for a state's definition
+SAMPLE_ROWS = 1024          # beyond it, this many rows spread evenly
+
+
 class ArraySource(ShardedSource):
     """Feed the rows of numpy arrays (``np.load(path, mmap_mode="r")`` ones too: only the rows
     of each unit are read, by slicing), sharded between every worker and replica.
@@ -74,13 +78,32 @@ class ArraySource(ShardedSource):
         d = super()._definition()
         d["block_rows"] = self.block_rows
         d["arrays"] = [[str(a.dtype), list(a.shape[1:])] for a in self.arrays]
-        # a cheap fingerprint of the data: the first and last rows of every array
-        h = hashlib.sha1()
-        for a in self.arrays:
-            for part in (a[:2], a[-2:]):
-                h.update(np.ascontiguousarray(part).tobytes() if part.dtype.kind != "O" else repr(part).encode())
-        d["sample"] = h.hexdigest()[:16]
+        d["names"] = list(self.names) if self.names is not None else None
+        d["sample"] = self._fingerprint()
         return d
+
+    def _fingerprint(self) -> str:
+        """A hash of the data, computed once: all of it up to FULL_HASH_BYTES (in-memory arrays,
+        so a state from other data is refused even when one value in the middle differs), else
+        SAMPLE_ROWS rows spread evenly plus the first and last (a big memory-mapped file is
+        not read whole to checkpoint it)."""
+        cached = getattr(self, "_fingerprint_cache", None)
+        if cached is not None:
+            return str(cached)
+        h = hashlib.sha1()
+        total = sum(a.nbytes for a in self.arrays)
+        for a in self.arrays:
+            n = len(a)
+            if total <= FULL_HASH_BYTES or n <= SAMPLE_ROWS:
+                parts = [a]
+            else:
+                idx = np.unique(np.concatenate([np.linspace(0, n - 1, SAMPLE_ROWS).astype(np.int64), [0, n - 1]]))
+                parts = [a[idx]]
+            for part in parts:
+                data = repr(part.tolist()).encode() if part.dtype.kind == "O" else np.ascontiguousarray(part).tobytes()
+                h.update(data)
+        self._fingerprint_cache = h.hexdigest()[:16]
+        return self._fingerprint_cache
 
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         start = int(self._offsets[unit])
