@@ -127,7 +127,7 @@ def init_data_input_workers(
         if worker_init_fun is not None and not callable(worker_init_fun):
             raise TypeError(f"worker_init_fun must be callable or None, got {type(worker_init_fun).__name__}")
         if seed is not None:
-            seed = _int("seed", seed, 0)
+            seed = _int("seed", seed, -(2**63))  # any int, as random.seed takes
         ctx = get_context(mp_context)
         check_picklable("fetch_fun", fetch_fun, ctx)
         check_picklable("worker_init_fun", worker_init_fun, ctx)

@@ -470,9 +470,14 @@ class ProcFetchers:
         code = proc.exitcode if proc is not None else None
         state = w.state
         state.set("failed")
+        where = w.child_state
+        if where == "starting":  # it never reported after its hello, or never said hello
+            where = ("in worker_init_fun or its first fetch_fun call (it had not reported yet)"
+                     if w.control is not None else
+                     "starting, before it could report (its error, if any, went to stderr)")
         self.source.fail(Failure(FetchError(
             f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} died "
-            f"({_exit_text(code)}) while {w.child_state}")))
+            f"({_exit_text(code)}) while {where}")))
 
     def _drain_until_stopped(self, w: _Worker) -> None:
         """After a failure: keep reading (so the child never blocks on a full channel) until stop."""

@@ -268,6 +268,19 @@ def test_a_process_that_dies_is_a_fetch_error_within_a_second(coord, how, expect
     assert "worker 0" in msg and f"pid {feed._fetchers._workers[0].pid}" in msg and expected in msg, msg
 
 
+def test_a_process_that_dies_in_its_first_call_says_so(coord):
+    register(coord, DieAt(1, "exit"), 4, num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.FetchError, match="exit code 7.*first fetch_fun call"):
+        coord.feed("train").next_batch()
+
+
+def test_any_int_seeds_worker_processes(coord):
+    register(coord, utils.random_probe, 4, num_worker_processes=1, seed=-5)
+    coord.start()
+    coord.feed("train").next_batch()
+
+
 def test_invalid_chunk_in_a_process_names_source_worker_and_input(coord):
     register(coord, BadAt(3), 3, names=("id",), num_worker_processes=1)
     coord.start()
