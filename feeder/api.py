@@ -166,6 +166,9 @@ def init_data_input_workers(
         last_batch = "drop"
 
     keyed = bool(getattr(fetch_fun, "feeder_row_keys", False))
+    if resume_from is not None and not keyed and not hasattr(fetch_fun, "feeder_validate"):
+        raise ValueError(f"resume_from needs a source that can resume (feeder.sources.ArraySource, ParquetSource, "
+                         f"or one with row keys); {type(fetch_fun).__name__} cannot")
     if keyed:  # the source appends row keys to every chunk (feeder.rowkeys)
         names, specs, axes = with_row_keys(names, specs, axes)
     validate = getattr(fetch_fun, "feeder_validate", None)

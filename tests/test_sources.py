@@ -437,3 +437,9 @@ def test_one_source_object_feeds_one_source_name():
         train = np.concatenate([b["x"] for b in coord.feed("train")])
         evals = np.concatenate([b["x"] for b in coord.feed("eval")])
     assert sorted(train.ravel()) == sorted(evals.ravel()) == list(range(100))
+
+
+def test_resume_from_on_a_plain_fetch_function_is_refused_at_registration(coord):
+    with pytest.raises(ValueError, match="resume_from needs a source that can resume"):
+        feeder.init_data_input_workers(None, ["x"], Recorder(), 4, coordinator=coord,
+                                       resume_from={"format": "feeder.source-state/1"})
