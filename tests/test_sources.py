@@ -111,12 +111,15 @@ def test_timeout_and_diagnose_include_the_sources_description(coord):
 
 
 def test_resume_from_must_be_the_same_for_every_replica(coord):
-    rec = Recorder()
-    feeder.init_data_input_workers(None, ["x"], rec, 4, coordinator=coord, resume_from={"a": 1})
+    data = np.arange(100)
+    _, first = run_source(ArraySource({"x": data}), take=1)
+    _, second = run_source(ArraySource({"x": data}), take=3)
+    src = ArraySource({"x": data})
+    feeder.init_data_input_workers(None, ["x"], src, 4, coordinator=coord, resume_from=first)
     with pytest.raises(ValueError, match="same resume_from"):
-        feeder.init_data_input_workers(None, ["x"], rec, 4, coordinator=coord, resume_from={"a": 2})
+        feeder.init_data_input_workers(None, ["x"], src, 4, coordinator=coord, resume_from=second)
     with pytest.raises(TypeError, match="resume_from"):
-        feeder.init_data_input_workers(None, ["x"], rec, 4, coordinator=coord, resume_from=[1])
+        feeder.init_data_input_workers(None, ["x"], src, 4, coordinator=coord, resume_from=[1])
 
 
 def test_importing_feeder_or_its_sources_imports_neither_pyarrow_nor_ray():
