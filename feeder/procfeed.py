@@ -41,9 +41,9 @@ from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from .procworker import worker_main
 from .shm import ACKED, BATCH_SIZE, GO, MAX_SLOTS, STOP, Channel, ControlPage, arrays_from_slot, map_fd
-from .source import CLOSED, Chunk, ChunkQueue
+from .source import Chunk, ChunkQueue
 from .tuning import Throttle
-from .workers import IN_FETCH, SLICE_S, WorkerState
+from .workers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
 
 log = logging.getLogger("feeder")
 
@@ -407,26 +407,14 @@ class ProcFetchers:
         ok = self._put(Chunk(wid, arrays, rows, slots), state)
         del arrays
         if ok:
-            state.rows_put += rows
             w.control.fields[ACKED] += 1
         return ok
 
     def _put(self, chunk: Chunk, state: WorkerState) -> bool:
-        source, stop = self.source, self._stop
-        put = source.put(chunk, SLICE_S)
-        if put is True:
-            return True
-        state.set("waiting for queue space")
-        blocked_since = state.since
-        try:
-            while put is not True:
-                if put is CLOSED or stop.is_set() or source.failure is not None:
-                    return False
-                put = source.put(chunk, SLICE_S)
-        finally:
-            state.blocked_s += time.monotonic() - blocked_since
-            state.set(IN_FETCH)
-        return True
+        ok = put_chunk(self.source, chunk, state, self._stop)
+        if state.state == WAITING_FOR_ROOM:
+            state.set(IN_FETCH)  # the receiver waited, not the child: it is back in fetch_fun
+        return ok
 
     def _error(self, w: _Worker, msg: Tuple[Any, ...]) -> bool:
         """An exception in the child; True if it fails the source."""

@@ -45,6 +45,7 @@ COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
 COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced
 CPU_SAMPLE_S = 0.05       # fetchers read their CPU clock this often (it is ~8x dearer than monotonic)
 IN_FETCH = "in fetch_fun"
+WAITING_FOR_ROOM = "waiting for queue space"
 
 
 class WorkerState:
@@ -109,13 +110,14 @@ def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
     return "; stack (innermost last):\n" + "".join("    " + ln.replace("\n", "\n    ").rstrip(" ") for ln in lines)
 
 
-def _put(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
-    """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile."""
+def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
+    """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile.
+    Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers)."""
     put = source.put(chunk, SLICE_S)
     if put is True:
         state.rows_put += chunk.rows
         return True
-    state.set("waiting for queue space")
+    state.set(WAITING_FOR_ROOM)
     blocked_since = state.since
     try:
         while put is not True:
@@ -261,7 +263,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     wid = state.worker_id
     co = None
     if coalesce:
-        co = Coalescer(state, source, validator.axes, batch_size(), lambda chunk: _put(source, chunk, state, stop))
+        co = Coalescer(state, source, validator.axes, batch_size(), lambda chunk: put_chunk(source, chunk, state, stop))
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
@@ -347,7 +349,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             state.chunks += 1
             state.rows += rows
             if co is None:
-                if not _put(source, Chunk(wid, arrays, rows), state, stop):
+                if not put_chunk(source, Chunk(wid, arrays, rows), state, stop):
                     return
                 continue
             rb = co.rb
