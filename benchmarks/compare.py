@@ -205,12 +205,14 @@ def consumer(sc: Scenario, session) -> Callable:
     return run
 
 
-def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = None) -> float:
+def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = None,
+                processes: bool = False) -> float:
+    """feeder with ``sc.workers`` (or ``workers``) fetcher threads, or worker processes (forkserver)."""
     session = make_session(sc.model, sc.threads) if sc.model else None
     coord = feeder.GlobalCoordinator()
-    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size,
-                                   num_worker_threads=sc.workers if workers is None else workers,
-                                   coordinator=coord, timeout=60)
+    count = sc.workers if workers is None else workers
+    kind = {"num_worker_processes": count} if processes else {"num_worker_threads": count}
+    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size, coordinator=coord, timeout=60, **kind)
     with coord:
         feed = coord.feed("train")
         if session is None:
@@ -220,19 +222,7 @@ def peer_feeder(sc: Scenario, seconds: float, workers: Union[int, str, None] = N
         return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
 
 
-def peer_feeder_procs(sc: Scenario, seconds: float, workers: Union[int, str, None] = None) -> float:
-    """feeder with ``sc.workers`` (or ``workers``) worker processes (forkserver) instead of threads."""
-    session = make_session(sc.model, sc.threads) if sc.model else None
-    coord = feeder.GlobalCoordinator()
-    feeder.init_data_input_workers(session, ["x"], sc.fetch, sc.batch_size,
-                                   num_worker_processes=sc.workers if workers is None else workers,
-                                   coordinator=coord, timeout=60)
-    with coord:
-        feed = coord.feed("train")
-        if session is None:
-            return timed(iter(lambda: feed.next_batch(), None), seconds, lambda b: len(b["x"]), warmup_s=sc.warmup_s)
-        bs = sc.batch_size
-        return timed(iter(lambda: feed.run(), None), seconds, lambda outputs: bs, warmup_s=sc.warmup_s)
+peer_feeder_procs = functools.partial(peer_feeder, processes=True)
 
 
 def limit_fetch(sc: Scenario, seconds: float) -> float:
