@@ -73,7 +73,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -260,6 +260,24 @@ def make_session(path: Optional[str] = None) -> ort.InferenceSession:
 
 
 # ---- the feeder job ---------------------------------------------------------------------------
+def extract_chunk(paths: Sequence[PathLike], start: int, stop: int,
+                  cfg: MagikaConfig) -> Tuple[Optional[Dict[str, np.ndarray]], List[Tuple[int, str]]]:
+    """Features of ``paths[start:stop]`` that need the model, as a chunk with their indices (None if
+    none does), and the (index, label) of those decided without it (empty, tiny, unreadable)."""
+    feats = np.full((stop - start, cfg.width), cfg.padding_token, dtype=np.int32)
+    index = np.empty(stop - start, dtype=np.int64)
+    decided: List[Tuple[int, str]] = []
+    k = 0
+    for i in range(start, stop):
+        label = features_or_label(paths[i], cfg, feats[k])
+        if label is None:
+            index[k] = i
+            k += 1
+        else:
+            decided.append((i, label))
+    return ({BYTES_INPUT: feats[:k], INDEX_INPUT: index[:k]} if k else None), decided
+
+
 class _Job:
     """Shared state of one run: a cursor over the paths, the labels, progress counts."""
 
@@ -300,20 +318,13 @@ class _Job:
             start, stop = self._take()
             if start >= stop:
                 raise StopIteration
-            feats = np.full((stop - start, cfg.width), cfg.padding_token, dtype=np.int32)
-            index = np.empty(stop - start, dtype=np.int64)
-            k = 0
-            for i in range(start, stop):
-                label = features_or_label(self.paths[i], cfg, feats[k])
-                if label is None:
-                    index[k] = i
-                    k += 1
-                else:
-                    self.labels[i] = label
-            if k < stop - start:
-                self.add_done(stop - start - k)
-            if k:
-                return {BYTES_INPUT: feats[:k], INDEX_INPUT: index[:k]}
+            chunk, decided = extract_chunk(self.paths, start, stop, cfg)
+            for i, label in decided:
+                self.labels[i] = label
+            if decided:
+                self.add_done(len(decided))
+            if chunk is not None:
+                return chunk
 
     def consume(self, feed: feeder.Feed, on_batch: Optional[Callable[[], None]] = None) -> None:
         """Score batches until the source ends; write each label at its file's index."""
@@ -358,21 +369,11 @@ class _ShardFetch:
                 self.labels[worker_id].send(None)
                 raise StopIteration
             self._next[worker_id] = c + self.shards
-            feats = np.full((stop - start, cfg.width), cfg.padding_token, dtype=np.int32)
-            index = np.empty(stop - start, dtype=np.int64)
-            decided = []
-            k = 0
-            for i in range(start, stop):
-                label = features_or_label(self.paths[i], cfg, feats[k])
-                if label is None:
-                    index[k] = i
-                    k += 1
-                else:
-                    decided.append((i, label))
+            chunk, decided = extract_chunk(self.paths, start, stop, cfg)
             if decided:
                 self.labels[worker_id].send(decided)
-            if k:
-                return {BYTES_INPUT: feats[:k], INDEX_INPUT: index[:k]}
+            if chunk is not None:
+                return chunk
 
 
 def _drain_labels(job: _Job, labels: Sequence[Connection], stop: threading.Event) -> None:
