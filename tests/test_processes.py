@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import utils
-from utils import BadAt, DieAt, FailAt, Sharded, check_aligned, until, wait_until
+from utils import BadAt, DieAt, FailAt, Sharded, check_aligned, exits_cleanly, read_line, until, wait_until
 
 import feeder
 
@@ -387,18 +387,6 @@ def spawn(body: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def read_line(proc: subprocess.Popen, prefix: str, timeout: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(prefix):
-            return line.strip()
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"child never printed {prefix!r}: {proc.communicate()[1]}")
-
-
 def test_children_exit_by_themselves_when_the_parent_is_killed():
     proc = spawn("""
         if __name__ == "__main__":
@@ -454,14 +442,7 @@ def test_interpreter_exit_with_a_running_process_feed_is_clean():
             print("pids", *[w.pid for w in coord.feed("train")._fetchers._workers], flush=True)
     """)
     pids = [int(p) for p in read_line(proc, "pids").split()[1:]]
-    t0 = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
-    assert time.monotonic() - t0 < 3.0
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err and "Fatal Python error" not in err, err
+    exits_cleanly(proc)
     wait_until(lambda: all(gone(p) for p in pids), timeout=2.0, what="worker processes to exit")
 
 

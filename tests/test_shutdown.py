@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from utils import exits_cleanly, read_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,15 +27,7 @@ def spawn(body: str) -> subprocess.Popen:
 
 
 def wait_for_line(proc: subprocess.Popen, expected: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.strip() == expected:
-            return
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"child never printed {expected!r}: {proc.communicate()[1]}")
+    assert read_line(proc, expected, timeout) == expected
 
 
 @pytest.mark.parametrize("coordinator", ["global", "private"])
@@ -53,14 +46,7 @@ def test_interpreter_exit_without_stop_with_a_fetcher_stuck_in_sleep(coordinator
         # falls off the end: no stop()
     """)
     wait_for_line(proc, "consumed")
-    t0 = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=10)
-    finally:
-        proc.kill()
-    assert time.monotonic() - t0 < 3.0
-    assert proc.returncode == 0, err
-    assert "Fatal Python error" not in err and "Traceback" not in err, err
+    exits_cleanly(proc)
 
 
 def test_sigint_in_a_consumer_blocked_in_next_batch_ends_the_program():

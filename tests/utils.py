@@ -1,6 +1,7 @@
 """Small test doubles and waits shared by the test modules."""
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from typing import Callable
@@ -323,3 +324,29 @@ class FreshSlices:
             self.pool = np.ones((self.pool_rows, 3, 64, 64), np.float32)
         start = (worker_id * 64) % (self.pool_rows - 64)
         return [self.pool[start:start + 64].copy()]
+
+
+def read_line(proc: subprocess.Popen, prefix: str, timeout: float = 30.0) -> str:
+    """The first line the child prints that starts with ``prefix`` (stripped); fails if it exits
+    or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.strip()
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"child never printed {prefix!r}: {proc.communicate()[1]}")
+
+
+def exits_cleanly(proc: subprocess.Popen, within: float = 3.0) -> None:
+    """The child exits by itself within ``within`` seconds, with status 0 and no traceback."""
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < within
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Fatal Python error" not in err, err
