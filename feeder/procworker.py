@@ -43,6 +43,7 @@ import numpy as np
 
 from .chunks import ChunkValidator
 from .errors import InputValidationError
+from .rebatcher import take_rows
 from .shm import (
     ACKED,
     ALIGN,
@@ -476,12 +477,6 @@ def _take(pending: List[Tuple[Tuple[np.ndarray, ...], int]], n: int,
     del pending[:k]
     if need:
         arrays, rows = pending[0]
-        out.append((tuple(_rows(a, ax, 0, need) for a, ax in zip(arrays, axes)), need))
-        pending[0] = (tuple(_rows(a, ax, need, rows) for a, ax in zip(arrays, axes)), rows - need)
+        out.append((tuple(take_rows(a, ax, 0, need) for a, ax in zip(arrays, axes)), need))
+        pending[0] = (tuple(take_rows(a, ax, need, rows) for a, ax in zip(arrays, axes)), rows - need)
     return out, max(1, k)
-
-
-def _rows(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
-    index = [slice(None)] * a.ndim
-    index[axis] = slice(start, stop)
-    return a[tuple(index)]
