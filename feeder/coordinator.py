@@ -23,19 +23,12 @@ from .metrics import Monitor
 from .rowkeys import KeyLedger, source_state
 from .source import ChunkQueue
 from .sources.base import ROW_KEY, bind_sources, release_sources
+from .workers import join_all
 
 log = logging.getLogger("feeder")
 
 EXIT_JOIN_S = 0.5  # at interpreter exit, stop() waits at most this long: exit must be prompt
 MONITOR_JOIN_S = 0.5  # the monitor's final reports get this long even when fetchers used up the budget
-
-
-def _join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
-    """Join threads against one shared deadline (monotonic seconds), not a timeout each."""
-    me = threading.current_thread()
-    for t in threads:
-        if t is not me and t.is_alive():
-            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class GlobalCoordinator:
@@ -190,7 +183,7 @@ class GlobalCoordinator:
         # Before the join: a fetch call waiting on its source's iterator (Ray Data) returns once released.
         release_sources(feeds)
         threads = [t for f in feeds for t in f._threads()]
-        _join_all(threads, deadline)
+        join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
         if not stragglers:  # only a quiescent source can be audited exactly
             for feed in feeds:
@@ -215,7 +208,7 @@ class GlobalCoordinator:
                             "external logger?)", sorted({f.input_source_name for f in feeds}))
             if stop_monitor:
                 monitor.stop()
-                _join_all([monitor.thread], max(deadline, time.monotonic() + MONITOR_JOIN_S))
+                join_all([monitor.thread], max(deadline, time.monotonic() + MONITOR_JOIN_S))
                 if monitor.thread.is_alive():
                     stragglers.append(monitor.thread)
         if stragglers:

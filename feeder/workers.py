@@ -99,6 +99,14 @@ class WorkerState:
         return text
 
 
+def join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
+    """Join threads against one shared deadline (monotonic seconds), not a timeout each."""
+    me = threading.current_thread()
+    for t in threads:
+        if t is not me and t.is_alive():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
     """The innermost ``frames`` frames of a live thread's stack, indented, or ''."""
     if thread is None or thread.ident is None:

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
+from ..workers import join_all
 from .base import ROW_KEY, SourceBinding
 
 log = logging.getLogger("feeder")
@@ -317,7 +318,7 @@ class RayDataSource:
             return
         for s in shards:
             s.stop.set()
-        _join([s.thread for s in shards], time.monotonic() + RELEASE_WAIT_S)
+        join_all([s.thread for s in shards], time.monotonic() + RELEASE_WAIT_S)
         if actors:
             # A pump waiting on Ray (a stalled shard) returns when the split coordinator goes away;
             # killing it also stops the dataset's execution (this source made it, nothing else uses it).
@@ -327,7 +328,7 @@ class RayDataSource:
                     ray.kill(actor)
                 except Exception:
                     log.debug("RayDataSource: killing the split coordinator", exc_info=True)
-            _join([s.thread for s in shards], time.monotonic() + RELEASE_JOIN_S)
+            join_all([s.thread for s in shards], time.monotonic() + RELEASE_JOIN_S)
         left = [s.thread.name for s in shards if s.thread.is_alive()]
         if left:
             log.warning("RayDataSource: pump thread(s) %s still waiting on Ray after release", left)
@@ -351,7 +352,3 @@ class RayDataSource:
         return shard.take(worker_id, self.stall_timeout)
 
 
-def _join(threads: Sequence[threading.Thread], deadline: float) -> None:
-    for t in threads:
-        if t.is_alive() and t is not threading.current_thread():
-            t.join(max(0.0, deadline - time.monotonic()))
