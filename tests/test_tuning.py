@@ -17,19 +17,30 @@ def sleeping_fetch(worker_id, batch_size):
 
 
 _ONE_AT_A_TIME = threading.Lock()
+_CALLERS = [0]
+_CALLERS_LOCK = threading.Lock()
 
 
-def serial_fetch(worker_id, batch_size):
-    """What a GIL-bound fetch is: Python work that only one thread at a time can do (here made
-    strictly so by a lock, as the GIL does only roughly), so a second fetcher cannot help. The
-    serial part (about 1 ms) dwarfs what runs outside the lock (feeder's own per-chunk work, some
-    microseconds), which a second fetcher could overlap: with 3000 iterations it was a tenth, and
-    the tuner rightly kept 3 fetchers for the 20% they gained."""
-    with _ONE_AT_A_TIME:
-        s = 0
-        for i in range(20000):
-            s += i % 7
-        return [np.full((8, 8), s, np.float32)]
+def contended_fetch(worker_id, batch_size):
+    """A fetch that more fetchers make slower: one call at a time (a lock), each costing 1 ms per
+    fetcher inside ``fetch_fun`` (as contention for a disk, a cache or a lock-heavy library
+    does), so two fetchers deliver half of what one does, by construction.
+
+    It sleeps rather than spins on purpose. A GIL-holding fetch makes the answer the machine's:
+    while a fetcher holds the GIL, feeder's enqueuer and the consumer get it only at the switch
+    interval (5 ms) or when the fetcher blocks, and a second fetcher blocking on the first one's
+    lock hands it over sooner. With a 1 ms spin under the lock, 2 fetchers measured 2-3x one on
+    this machine, and 8% more each for 2 and 3 on the project's CI; the tuner rightly kept them."""
+    with _CALLERS_LOCK:
+        _CALLERS[0] += 1
+        callers = _CALLERS[0]
+    try:
+        with _ONE_AT_A_TIME:
+            time.sleep(0.001 * callers)
+            return [np.ones((64, 4), np.float32)]
+    finally:
+        with _CALLERS_LOCK:
+            _CALLERS[0] -= 1
 
 
 def run_auto(coord, fetch, seconds):
@@ -52,11 +63,11 @@ def test_auto_settles_on_more_fetchers_for_a_sleeping_fetch(coord):
     assert feed.metrics()["active_workers"] >= 3
 
 
-def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
-    feed, seen = run_auto(coord, serial_fetch, 4.0)
+def test_auto_gives_back_fetchers_that_make_the_fetch_slower(coord):
+    feed, seen = run_auto(coord, contended_fetch, 4.0)
     late = seen[len(seen) // 2:]
-    assert sum(late) / len(late) < 2.0, feed._tuner.decisions
-    assert max(seen) <= 3
+    assert sum(late) / len(late) < 1.5, feed._tuner.decisions
+    assert max(seen) <= 2, feed._tuner.decisions  # a probe that lost half is never followed by another step up
 
 
 def test_auto_finite_sharded_source_delivers_every_row_once(coord):
@@ -138,6 +149,21 @@ def test_tuner_stays_at_one_when_a_second_fetcher_hurts():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:])), history
     assert gaps[-1] >= 2 * gaps[0], history
+
+
+def test_tuner_stays_at_one_when_more_fetchers_do_not_help():
+    """Flat throughput with a little noise (a GIL-bound fetch on an idle machine): no count above
+    one is kept, since none gains GAIN."""
+    noise = [1.0, 1.02, 0.99, 1.03, 0.98, 1.01, 1.0, 0.985]
+    calls = [0]
+
+    def rate(k):
+        calls[0] += 1
+        return 1000.0 * noise[calls[0] % len(noise)]
+
+    tuner = Tuner(8)
+    history = drive(tuner, rate, windows=80)
+    assert tuner.active == 1 and history.count(1) > 0.8 * len(history), tuner.decisions
 
 
 def test_tuner_gives_fetchers_back_when_the_consumer_stops_waiting():
