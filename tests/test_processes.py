@@ -497,8 +497,13 @@ def test_fresh_large_arrays_in_a_process_do_not_fault_every_page_in_again(coord)
     for _ in range(10):
         feed.next_batch()
     (pid,) = child_pids(feed)
-    before = minor_faults(pid)
-    for _ in range(40):
-        feed.next_batch()
-    per_batch = (minor_faults(pid) - before) / 40
-    assert per_batch < 100, per_batch  # 2 x 768 pages a batch if every page were fresh
+    # Each shared-memory slot faults its pages in once, when first written; a slow consumer (a
+    # loaded machine) brings more slots into rotation, which cost 115 faults a batch over one
+    # window of 40. Fresh arrays cost every batch, so the quietest of a few windows tells them apart.
+    windows = []
+    for _ in range(4):
+        before = minor_faults(pid)
+        for _ in range(20):
+            feed.next_batch()
+        windows.append((minor_faults(pid) - before) / 20)
+    assert min(windows) < 100, windows  # 2 x 768 pages a batch if every page were fresh
