@@ -454,37 +454,33 @@ def sweep_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def proc_table(results: dict) -> str:
-    """Worker processes: rows/s of every peer and (feeder procs)/peer, for the scenarios that ran them."""
-    cols = ["feeder procs", "feeder", "serial", "torch", "fetch alone", "model alone", "two-core limit", "memcpy"]
-    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | feeder procs / peer | targets |",
+def _rows_table(results: dict, cols: List[str], label: str, ratios_key: str, targets_key: str,
+                include: Callable[[dict], bool]) -> str:
+    """rows/s of ``cols`` for each included scenario, then its ``label`` / peer ratios and targets."""
+    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + f" | {label} / peer | targets |",
              "|---" * (len(cols) + 3) + "|"]
     for key, res in results.items():
-        if "feeder procs" not in res["rows_per_s"]:
+        if not include(res):
             continue
         r = res["rows_per_s"]
         cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
-        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res["procs_over"].items())
+        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res[ratios_key].items())
         targets = ", ".join(f"{p} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
-                            for p, c in res["proc_targets"].items()) or "-"
+                            for p, c in res[targets_key].items()) or "-"
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {targets} |")
     return "\n".join(lines)
+
+
+def proc_table(results: dict) -> str:
+    """Worker processes: rows/s of every peer and (feeder procs)/peer, for the scenarios that ran them."""
+    return _rows_table(results, ["feeder procs", "feeder", "serial", "torch", "fetch alone", "model alone",
+                                 "two-core limit", "memcpy"], "feeder procs", "procs_over", "proc_targets",
+                       lambda res: "feeder procs" in res["rows_per_s"])
 
 
 def table(results: dict) -> str:
-    cols = ["feeder", "serial", "seed", "torch", "memcpy", "model alone", "fetch capacity"]
-    lines = ["| scenario | " + " | ".join(f"{c} rows/s" for c in cols) + " | feeder / peer | targets |",
-             "|---" * (len(cols) + 3) + "|"]
-    for key, res in results.items():
-        if res.get("sweep"):
-            continue
-        r = res["rows_per_s"]
-        cells = [f"{r[c]:,.0f}" if c in r else "-" for c in cols]
-        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in res["feeder_over"].items())
-        targets = ", ".join(f"{p} >= {c['target']}x: {'met' if c['met'] else 'MISSED'}"
-                            for p, c in res["targets"].items()) or "-"
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratios} | {targets} |")
-    return "\n".join(lines)
+    return _rows_table(results, ["feeder", "serial", "seed", "torch", "memcpy", "model alone", "fetch capacity"],
+                       "feeder", "feeder_over", "targets", lambda res: not res.get("sweep"))
 
 
 def main() -> int:
