@@ -39,11 +39,9 @@ def contended_fetch(worker_id, batch_size):
     fetcher inside ``fetch_fun`` (as contention for a disk, a cache or a lock-heavy library
     does), so two fetchers deliver half of what one does, by construction.
 
-    It sleeps rather than spins on purpose. A GIL-holding fetch makes the answer the machine's:
-    while a fetcher holds the GIL, feeder's enqueuer and the consumer get it only at the switch
-    interval (5 ms) or when the fetcher blocks, and a second fetcher blocking on the first one's
-    lock hands it over sooner. With a 1 ms spin under the lock, 2 fetchers measured 2-3x one on
-    this machine, and 8% more each for 2 and 3 on the project's CI; the tuner rightly kept them."""
+    It sleeps rather than spins on purpose: with a GIL-holding fetch, which count is fastest is
+    the interpreter's scheduling (see ``gil_bound_fetch`` and its test). With a 1 ms spin under
+    the lock, 2 fetchers measured 2-3x one on this machine."""
     with _CALLERS_LOCK:
         _CALLERS[0] += 1
         callers = _CALLERS[0]
