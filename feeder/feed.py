@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, cast
 
 import numpy as np
@@ -79,6 +80,7 @@ class Feed(FeedReports):
         self._axes = tuple(batch_axes)
         self._fetch_fun = fetch_fun
         self.resume_from = resume_from  # handed to the source's feeder_bind (feeder.sources.base)
+        self._mp_context = processes.context if processes is not None else None
         self.init_fun = init_fun
         self.external_loggers = list(external_loggers)
         self.dont_rebatch = dont_rebatch
@@ -147,6 +149,11 @@ class Feed(FeedReports):
     def fetch_fun(self) -> Callable[[int, int], Any]:
         """The fetch function (or source object) this registration calls."""
         return self._fetch_fun
+
+    @property
+    def mp_context(self) -> Optional[BaseContext]:
+        """The multiprocessing context of this registration's worker processes; None for threads."""
+        return self._mp_context
 
     def __repr__(self) -> str:
         return (f"Feed(source={self.input_source_name!r}, inputs={self.input_names}, batch_size={self._batch_size}, "

@@ -442,6 +442,95 @@ def test_one_source_object_feeds_one_source_name():
     assert sorted(train.ravel()) == sorted(evals.ravel()) == list(range(100))
 
 
+# ---- "auto" concurrency, planning a resume, arguments ---------------------------------------------
+
+
+@pytest.fixture
+def tuner_parks_all_but_one(monkeypatch):
+    """The tuner never changes its mind: one fetcher of an "auto" registration runs, the rest stay
+    parked for good (the worst case for a source that dealt units to every worker id)."""
+    import feeder.api
+    import feeder.tuning
+    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s: None)
+    monkeypatch.setattr(feeder.api, "AUTO_MAX_PROCESSES", 4)  # parked processes whatever the core count
+
+
+def auto(mode):
+    return dict(workers="auto") if mode == "threads" else dict(procs="auto")
+
+
+def test_auto_concurrency_serves_parked_workers_shares_of_finite_epochs_in_order(tuner_parks_all_but_one, mode):
+    src = ArraySource({"x": np.arange(64)}, shuffle=True, seed=2, epochs=5, block_rows=8)
+    got, state = run_source(src, batch_size=8, **auto(mode))
+    rows = rows_of(got)
+    assert Counter(rows) == Counter({r: 5 for r in range(64)})
+    # Epochs follow each other: the t-th time a row comes is within epoch t, give or take the
+    # units in flight (one worker runs: none overlap).
+    seen = Counter()
+    for i, r in enumerate(rows):
+        assert seen[r] == i // 64, (i, r, seen[r])
+        seen[r] += 1
+    assert state["delivered"] == [[0, 320]]
+
+
+def test_auto_concurrency_serves_parked_workers_shares_of_an_endless_source_and_the_state_stays_small(
+        tuner_parks_all_but_one, mode):
+    src = ArraySource({"x": np.arange(64)}, shuffle=True, seed=2, epochs=None, block_rows=8)
+    got, state = run_source(src, batch_size=8, take=400, **auto(mode))  # 3,200 rows: 50 epochs
+    assert Counter(rows_of(got)) == Counter({r: 50 for r in range(64)})
+    assert state["delivered"] == [[0, 3200]]
+    # and a resume goes on from there, parked workers or not
+    more, state = run_source(src, batch_size=8, take=40, resume=state, **auto(mode))
+    assert Counter(rows_of(more)) == Counter({r: 5 for r in range(64)})
+    assert state["delivered"] == [[0, 3520]]
+
+
+def test_units_are_dealt_from_one_counter_shared_by_replicas_whatever_runs(tuner_parks_all_but_one):
+    """Two "auto" replicas (16 worker ids, 2 running) of a 3-epoch source: every row 3 times."""
+    src = ArraySource({"x": np.arange(200)}, shuffle=True, seed=1, epochs=3, block_rows=10)
+    got, state = run_source(src, workers="auto", replicas=2, batch_size=16)
+    assert Counter(rows_of(got)) == Counter({r: 3 for r in range(200)})
+    assert state["delivered"] == [[0, 600]]
+    # Mid-run, what was delivered is a prefix of the sequence but for the units in flight (dealt
+    # to the 2 running workers of 16 ids in turn, it would be one range per unit).
+    src = ArraySource({"x": np.arange(200)}, epochs=3, block_rows=10)
+    got, state = run_source(src, workers="auto", replicas=2, batch_size=16, take=20)
+    assert state["rows_delivered"] == 320 and len(state["delivered"]) <= 6, state["delivered"]
+
+
+def test_planning_a_resume_after_a_gap_and_many_epochs_does_not_visit_each_epoch():
+    """An endless source that skipped a unit (max_fetch_errors) and went on for 100,000 epochs:
+    the resume plans from the gaps, not epoch by epoch, and serves the gap first."""
+    import time
+
+    src = ArraySource({"x": np.arange(64)}, shuffle=True, seed=3, epochs=None, block_rows=8)
+    n, gap = 64, (3 * 64 + 16, 3 * 64 + 24)  # one unit of epoch 3 never delivered
+    state = {"format": "feeder.source-state/1", "definition": src.feeder_definition(),
+             "delivered": [[0, gap[0]], [gap[1], 100_003 * n]]}
+    src.feeder_validate(("x",), state)
+    t0 = time.perf_counter()
+    src.feeder_bind(SourceBinding("train", ((0,),), ("x",), True, state))
+    assert time.perf_counter() - t0 < 0.05
+    x, keys = src(0, 8)
+    assert keys.tolist() == list(range(*gap))
+    x, keys = src(0, 8)
+    assert keys.min() >= 100_003 * n and keys.max() < 100_004 * n  # then the epoch after the last one
+    # A gap of whole epochs between two delivered stretches: those epochs come whole, in order.
+    state["delivered"] = [[0, 2 * n], [40 * n + 5, 1_000_000 * n]]
+    src.feeder_bind(SourceBinding("train", ((0,),), ("x",), False, state))
+    keys = [src(0, 8)[1] for _ in range(38 * 8 + 1 + 8)]
+    assert [int(k.min()) // n for k in keys] == [e for e in range(2, 40) for _ in range(8)] + [40] + [1_000_000] * 8
+    assert sorted(np.concatenate(keys).tolist()) == list(range(2 * n, 40 * n + 5)) + list(
+        range(1_000_000 * n, 1_000_001 * n))
+
+
+def test_a_negative_seed_is_refused_when_the_source_is_created():
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        ArraySource({"x": np.arange(10)}, shuffle=True, seed=-1)
+    with pytest.raises(TypeError, match="seed"):
+        ArraySource({"x": np.arange(10)}, seed=1.5)
+
+
 def test_resume_from_on_a_plain_fetch_function_is_refused_at_registration(coord):
     with pytest.raises(ValueError, match="resume_from needs a source that can resume"):
         feeder.init_data_input_workers(None, ["x"], Recorder(), 4, coordinator=coord,

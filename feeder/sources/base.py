@@ -6,12 +6,24 @@ may have these optional methods; the coordinator calls them:
 * ``feeder_bind(binding)``: in ``coord.start()`` (and on a later start after a stop), once per
   source name per fetch_fun object, before any fetcher thread or worker process of that source
   starts. ``binding`` is a :class:`SourceBinding`: which worker ids call the object (per
-  registration), the inputs, the order and the state to resume from. Worker processes receive
+  registration), the inputs, the order, the state to resume from and the multiprocessing
+  context of the worker processes that call it (None: threads only). Worker processes receive
   the object pickled *after* it was bound, so a bound source shards by the ``worker_id`` each
-  call gets, in whatever process that call runs.
+  call gets, in whatever process that call runs, and what it made at bind from that context
+  (a ``Value``, a ``Lock``) is shared by them all.
 * ``feeder_release()``: in ``stop()`` / ``stop_coordinator(name)`` once the source's threads were
   signalled: close files, drop iterators.
 * ``feeder_describe() -> str``: a short phrase for FeedTimeout and diagnose messages.
+
+What a call may raise: ``StopIteration`` (this worker has no more data); an
+:class:`~feeder.errors.InputValidationError` for bad data (a null in a column, a file that
+changed), which fails the source whatever ``max_fetch_errors`` says (bad data is not a
+transient failure); any other exception, a fetch failure that ``max_fetch_errors`` may
+tolerate. An exception whose attribute ``feeder_final`` is true says that the source can never
+serve again (a stream whose reader died; its failure was already raised, and counted, once):
+the source fails at once with a ``FetchError`` whose message is the exception's and whose
+``__cause__`` is the exception's ``__cause__`` (the original failure), never tolerated nor
+counted again.
 
 And, for sources that support exact resume (optional, owned by this package):
 
@@ -24,9 +36,11 @@ And, for sources that support exact resume (optional, owned by this package):
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -45,7 +59,10 @@ class SourceBinding:
 
     ``replicas``: the worker ids of each registration of the source that uses this fetch_fun
     object, in registration order (one tuple per replica). ``resume``: the state passed as
-    ``resume_from`` (the same for every registration), or None.
+    ``resume_from`` (the same for every registration), or None. ``mp_context``: the
+    ``multiprocessing`` context whose worker processes call the object (that of the first
+    registration with ``num_worker_processes``), or None when only threads call it; state that
+    those processes must share (a counter) is made from it in ``feeder_bind``.
     """
 
     source_name: str
@@ -53,6 +70,7 @@ class SourceBinding:
     input_names: Tuple[str, ...]
     ordered: bool
     resume: Optional[Dict[str, Any]] = None
+    mp_context: Optional[BaseContext] = None
 
     @property
     def worker_ids(self) -> Tuple[int, ...]:
@@ -87,9 +105,10 @@ def bind_sources(all_feeds: Sequence[Any], pending: Sequence[Any]) -> None:
             raise FeederError(f"source {name!r}: a registration was added while the source runs; its fetch_fun "
                               f"shards rows between every registration, so register every replica before start()")
         resume = next((f.resume_from for f in feeds if getattr(f, "resume_from", None) is not None), None)
+        context = next((f.mp_context for f in feeds if getattr(f, "mp_context", None) is not None), None)
         binding = SourceBinding(source_name=name, replicas=tuple(tuple(f.worker_ids) for f in feeds),
                                 input_names=tuple(feeds[0].input_names), ordered=bool(feeds[0].source.ordered),
-                                resume=resume)
+                                resume=resume, mp_context=context)
         bind(binding)
 
 
@@ -120,30 +139,29 @@ def describe_source(fetch_fun: Any) -> Optional[str]:
 
 
 # ---- sharded sources -----------------------------------------------------------------------
-class _Cursor:
-    """One worker's place in the source's sequence of units: epoch and position within it."""
-
-    __slots__ = ("epoch", "pos")
-
-    def __init__(self, epoch: int, pos: int):
-        self.epoch = epoch
-        self.pos = pos
-
-
 class ShardedSource:
-    """A finite table of rows cut into units of work, dealt to workers round-robin, with
-    per-epoch shuffling, epochs, row keys and exact resume. Subclasses give the unit sizes
+    """A finite table of rows cut into units of work, dealt to workers, with per-epoch
+    shuffling, epochs, row keys and exact resume. Subclasses give the unit sizes
     (``_unit_rows``) and read rows (``_read``); they are picklable fetch functions.
 
     Every epoch lists its units (shuffled by ``seed`` and the epoch when ``shuffle``); the epochs
-    follow each other into one sequence of units. Unit ``m`` of that sequence goes to the worker
-    at position ``m % W`` of the binding's sorted worker ids (W workers in all, every replica's),
-    which returns it as one chunk (its rows shuffled too). That is exactly the order in which
-    ``ordered=True`` takes chunks from workers, so an ordered source's rows come in the
-    sequence's order. The row at position ``i`` of its unit's (shuffled) row order, in the unit
-    starting at row ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``.
-    Resuming drops the delivered rows from the sequence and deals what is left the same way, so
-    an ordered run continues with exactly the rows it would have delivered.
+    follow each other into one sequence of units, and each fetch call returns one unit as one
+    chunk (its rows shuffled too). Who gets which unit:
+
+    * ``ordered=True``: unit ``m`` of the sequence goes to the worker at position ``m % W`` of the
+      binding's sorted worker ids (W workers in all, every replica's). That is exactly the order
+      in which ``ordered=True`` takes chunks from workers (and an ordered registration runs every
+      worker, "auto" or not), so its rows come in the sequence's order, the same on every run.
+    * otherwise: a call takes the next unit of the sequence that no call has taken yet, from a
+      counter shared by every worker thread, worker process and replica of the source (in
+      shared memory when worker processes call it). Units are thus served whichever workers run
+      (``"auto"`` concurrency parks some), epochs follow each other with only the units in
+      flight overlapping, and rows are delivered nearly in sequence order, so a state stays small.
+
+    The row at position ``i`` of its unit's (shuffled) row order, in the unit starting at row
+    ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``. Resuming drops the
+    delivered rows from the sequence and deals what is left the same way, so an ordered run
+    continues with exactly the rows it would have delivered.
     """
 
     feeder_row_keys = True
@@ -153,6 +171,8 @@ class ShardedSource:
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if seed < 0:  # numpy's generators take none, and a fetch must not be where that is found
+            raise ValueError(f"seed must be an int >= 0, got {seed}")
         if epochs is not None:
             if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)):
                 raise TypeError(f"epochs must be an int or None (endless), got {type(epochs).__name__}")
@@ -162,9 +182,11 @@ class ShardedSource:
         self.seed = int(seed)
         self.epochs = None if epochs is None else int(epochs)
         self._binding: Optional[SourceBinding] = None
-        self._init_units([])
-        self._cursors: Dict[int, _Cursor] = {}
         self._lock = threading.Lock()
+        self._init_units([])
+        self._cursors: Dict[int, int] = {}  # ordered: worker id -> the next sequence index it takes
+        self._next = 0                      # otherwise, in threads: the next sequence index to take
+        self._shared: Any = None            # ... and with worker processes: that counter, in shared memory
 
     # ---- to be provided by subclasses ----
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
@@ -182,8 +204,7 @@ class ShardedSource:
         self._units = np.asarray(unit_rows, dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._units)]).astype(np.int64)
         self.rows = int(self._offsets[-1])
-        self._resume_plan: Dict[int, List[Tuple[int, Optional[np.ndarray]]]] = {}
-        self._first_epoch = 0
+        self._plan_sequence(None)
 
     def __len__(self) -> int:
         """Rows per epoch."""
@@ -193,7 +214,12 @@ class ShardedSource:
         n = len(self._units)
         if not self.shuffle:
             return np.arange(n)
-        return np.random.default_rng([self.seed, epoch, 0]).permutation(n)
+        cached = self._order_cache  # (epoch, order), replaced whole: safe to read from any thread
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        order = np.random.default_rng([self.seed, epoch, 0]).permutation(n)
+        self._order_cache = (epoch, order)
+        return order
 
     def _row_order(self, epoch: int, unit: int) -> np.ndarray:
         n = int(self._units[unit])
@@ -201,17 +227,99 @@ class ShardedSource:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, 1, unit]).permutation(n)
 
-    def _epoch_len(self, epoch: int) -> int:
-        plan = self._resume_plan.get(epoch)
-        return len(plan) if plan is not None else len(self._units)
+    # ---- the sequence of units ----
+    def _plan_sequence(self, ranges: Optional[np.ndarray]) -> None:
+        """Lay out the sequence of units still to deliver as blocks of epochs.
 
-    def _entry(self, epoch: int, pos: int) -> Tuple[int, Optional[np.ndarray]]:
-        """(unit, positions in the unit's row order still to deliver, or None for all) at ``pos``
-        of epoch ``epoch``'s list."""
-        plan = self._resume_plan.get(epoch)
-        if plan is not None:
-            return plan[pos]
-        return int(self._unit_order(epoch)[pos]), None
+        Without a resume (``ranges`` None) it is every epoch from 0. Otherwise ``ranges`` (shape
+        (k, 2), [start, stop) key ranges delivered) are dropped: epochs wholly delivered are
+        skipped, an epoch holding an end of a gap in the ranges gets a plan (its units with rows
+        left, and which rows), and the epochs inside a gap are whole. The work is a loop over the
+        gaps, never over epochs: a state with a gap followed by a million delivered epochs plans
+        as fast as one without (the epochs between are one skipped range).
+
+        A block is ``(first epoch, epochs or None for endless, planned)``; ``_starts`` holds the
+        sequence index at which each block begins.
+        """
+        self._order_cache: Optional[Tuple[int, np.ndarray]] = None
+        self._plans: Dict[int, List[Tuple[int, Optional[np.ndarray]]]] = {}
+        blocks: List[Tuple[int, Optional[int], bool]] = []
+        n, u = self.rows, len(self._units)
+        first_full = 0
+        if ranges is not None and len(ranges) and n and u:
+            r = _merged(ranges)
+            end = -(-int(r[-1, 1]) // n) * n  # the end of the last epoch a delivered row is in
+            gap_lo = np.concatenate([[0], r[:, 1]])
+            gap_hi = np.concatenate([r[:, 0], [end]])
+            keep = gap_hi > gap_lo
+            gap_lo, gap_hi = gap_lo[keep], gap_hi[keep]
+            e_first, e_last = gap_lo // n, (gap_hi - 1) // n
+            partial = set(e_first.tolist()) | set(e_last.tolist())
+            covered = -1  # the last epoch already laid out
+            for lo, hi in zip(e_first.tolist(), e_last.tolist()):
+                lo = max(lo, covered + 1)
+                if lo > hi:
+                    continue
+                inner = sorted(e for e in partial if lo <= e <= hi)
+                at = lo
+                for e in inner:
+                    if e > at:
+                        blocks.append((at, e - at, False))
+                    self._plans[e] = self._epoch_plan(e, r)
+                    blocks.append((e, 1, True))
+                    at = e + 1
+                if at <= hi:
+                    blocks.append((at, hi + 1 - at, False))
+                covered = hi
+            first_full = end // n
+        blocks.append((first_full, None, False))
+        starts, at = [], 0
+        for e0, count, planned in blocks:
+            starts.append(at)
+            at += len(self._plans[e0]) if planned else (count or 0) * u
+        self._blocks, self._starts = blocks, starts
+
+    def _epoch_plan(self, epoch: int, ranges: np.ndarray) -> List[Tuple[int, Optional[np.ndarray]]]:
+        """The units of ``epoch`` with rows not in ``ranges``, in the epoch's order, each with the
+        positions (in its row order) still to deliver, or None for all of them."""
+        starts, stops = ranges[:, 0], ranges[:, 1]
+        base = epoch * self.rows
+        plan: List[Tuple[int, Optional[np.ndarray]]] = []
+        for u in self._unit_order(epoch):
+            unit = int(u)
+            lo = base + int(self._offsets[unit])
+            size = int(self._units[unit])
+            i = int(np.searchsorted(stops, lo, side="right"))
+            if i >= len(starts) or starts[i] >= lo + size:
+                plan.append((unit, None))  # nothing of it was delivered
+                continue
+            positions = np.arange(size, dtype=np.int64)
+            keys = lo + positions
+            j = np.searchsorted(stops, keys, side="right")
+            safe = np.minimum(j, len(starts) - 1)
+            done = (j < len(starts)) & (starts[safe] <= keys)
+            if not done.all():
+                plan.append((unit, positions[~done]))
+        return plan
+
+    def _locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:
+        """(unit, epoch, positions or None) at ``index`` of the sequence, or None past its end."""
+        u = len(self._units)
+        if not u:
+            return None  # an empty table has nothing in any epoch
+        b = bisect.bisect_right(self._starts, index) - 1
+        e0, _, planned = self._blocks[b]
+        off = index - self._starts[b]
+        if planned:
+            epoch = e0
+        else:
+            epoch, off = e0 + off // u, off % u
+        if self.epochs is not None and epoch >= self.epochs:
+            return None
+        if planned:
+            unit, positions = self._plans[epoch][off]
+            return unit, epoch, positions
+        return int(self._unit_order(epoch)[off]), epoch, None
 
     # ---- the binding protocol ----
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
@@ -223,90 +331,62 @@ class ShardedSource:
         return self._definition()
 
     def feeder_bind(self, binding: SourceBinding) -> None:
+        if binding.resume is not None:
+            check_state(binding.resume, self._definition())
         with self._lock:
             self._binding = binding
             self._cursors = {}
-            self._init_units(self._units.tolist())
-            if binding.resume is not None:
-                check_state(binding.resume, self._definition())
-                self._plan_resume(ranges_of(binding.resume))
+            self._next = 0
+            # Dealt in turn only when ordered (see the class docstring); otherwise from a counter
+            # every worker shares, in shared memory when worker processes call this object.
+            self._shared = None
+            if not binding.ordered and binding.mp_context is not None:
+                self._shared = binding.mp_context.Value("q", 0)
+            self._plan_sequence(ranges_of(binding.resume) if binding.resume is not None else None)
 
     def feeder_release(self) -> None:
         with self._lock:
             self._cursors = {}
+            self._shared = None
 
     def feeder_describe(self) -> str:
         ep = "endless" if self.epochs is None else f"{self.epochs} epoch(s)"
         return f"{type(self).__name__} of {self.rows} rows in {len(self._units)} units, {ep}"
 
-    def _plan_resume(self, ranges: np.ndarray) -> None:
-        """Drop the delivered rows (key ranges ``ranges``, shape (k, 2), sorted, disjoint) from the
-        sequence: epochs wholly delivered are skipped, the others keep their undelivered rows."""
-        n = self.rows
-        if not len(ranges) or n == 0:
-            return
-        starts, stops = ranges[:, 0], ranges[:, 1]
-        epoch = 0
-        # every epoch covered by one range from its first key to its last is done
-        while True:
-            k = int(np.searchsorted(stops, epoch * n, side="right"))
-            if k < len(starts) and starts[k] <= epoch * n and stops[k] >= (epoch + 1) * n:
-                epoch = int(stops[k] // n)
-                continue
-            break
-        self._first_epoch = epoch
-        last = int((stops[-1] - 1) // n)
-        for e in range(epoch, last + 1):
-            plan: List[Tuple[int, Optional[np.ndarray]]] = []
-            for u in self._unit_order(e):
-                unit = int(u)
-                lo = e * n + int(self._offsets[unit])
-                hi = lo + int(self._units[unit])
-                i = int(np.searchsorted(stops, lo, side="right"))
-                if i >= len(starts) or starts[i] >= hi:
-                    plan.append((unit, None))  # nothing of it was delivered
-                    continue
-                positions = np.arange(int(self._units[unit]), dtype=np.int64)
-                keys = lo + positions
-                j = np.searchsorted(stops, keys, side="right")
-                safe = np.minimum(j, len(starts) - 1)
-                done = (j < len(starts)) & (starts[safe] <= keys)
-                if not done.all():
-                    plan.append((unit, positions[~done]))
-            self._resume_plan[e] = plan
-
     # ---- fetching ----
-    def _cursor(self, worker_id: int) -> Tuple[_Cursor, int]:
-        cur = self._cursors.get(worker_id)
+    def _take(self, worker_id: int) -> int:
+        """The sequence index of the unit this call returns."""
         binding = self._binding
         if binding is None:
             raise RuntimeError(f"{type(self).__name__} was called before feeder bound it; pass it as the fetch_fun "
                                f"of init_data_input_workers and start the coordinator")
+        if not binding.ordered:
+            shared = self._shared
+            if shared is not None:
+                with shared.get_lock():
+                    index = int(shared.value)
+                    shared.value = index + 1
+                return index
+            with self._lock:
+                index = self._next
+                self._next = index + 1
+            return index
         ids = binding.worker_ids
-        if cur is None:
+        index = self._cursors.get(worker_id)
+        if index is None:  # a worker's first call: its place in the round-robin
             try:
-                k = ids.index(worker_id)
+                index = ids.index(worker_id)
             except ValueError:
                 raise RuntimeError(f"worker {worker_id} is not one of the workers this source was bound to "
                                    f"{ids}") from None
-            cur = self._cursors[worker_id] = _Cursor(self._first_epoch, k)
-        return cur, len(ids)
+        self._cursors[worker_id] = index + len(ids)  # only this worker's thread touches its entry
+        return index
 
     def __call__(self, worker_id: int, batch_size: int) -> List[np.ndarray]:
-        cur, step = self._cursor(worker_id)
-        while True:
-            if self.epochs is not None and cur.epoch >= self.epochs:
-                raise StopIteration
-            size = self._epoch_len(cur.epoch)
-            if cur.pos < size:
-                break
-            cur.pos -= size
-            cur.epoch += 1
-            if size == 0 and not self._units.size:
-                raise StopIteration  # an empty table has nothing in any epoch
-        epoch, pos = cur.epoch, cur.pos
-        cur.pos += step
-        unit, positions = self._entry(epoch, pos)
+        where = self._locate(self._take(worker_id))
+        if where is None:
+            raise StopIteration
+        unit, epoch, positions = where
         order = self._row_order(epoch, unit)
         if positions is None:
             positions, rows = np.arange(len(order), dtype=np.int64), order
@@ -323,11 +403,25 @@ class ShardedSource:
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         del state["_lock"]
+        state["_order_cache"] = None
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def _merged(ranges: np.ndarray) -> np.ndarray:
+    """``ranges`` (k, 2) as sorted, disjoint, non-adjacent, non-empty ranges."""
+    r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    r = r[r[:, 1] > r[:, 0]]
+    if not len(r):
+        return r
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(r[:, 1])
+    new = np.concatenate([[True], r[1:, 0] > reach[:-1]])
+    idx = np.flatnonzero(new)
+    return np.stack([r[idx, 0], np.maximum.reduceat(r[:, 1], idx)], axis=1)
 
 
 # ---- states ----------------------------------------------------------------------------------
