@@ -426,21 +426,23 @@ class ProcFetchers:
         except Exception:
             cause = RemoteError(f"{type_name}: {text}\n{tb}")
         short = type_name.rsplit(".", 1)[-1]
-        n = source.note_fetch_error()
-        if where == "fetch_fun" and not fatal and n <= self._max_fetch_errors:
-            log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated) in worker process pid %s; "
-                        "skipping that call. Its traceback:\n%s", source.name, state.worker_id, n,
-                        self._max_fetch_errors, w.pid, tb, exc_info=cause)
-            return False
         if where == "fetch_fun" and isinstance(cause, InputValidationError):
-            # A source found bad data (feeder.sources: a null in a column): the same error as in threads.
+            # A source found bad data (feeder.sources: a null in a column): the same error as in
+            # threads, and as there never tolerated by max_fetch_errors.
             w.done = True
             state.set("failed")
             source.fail(Failure(InputValidationError(f"source {source.name!r}, worker {state.worker_id}: {cause} "
                                                      f"(in worker process pid {w.pid})"), cause))
             return True
+        final = getattr(cause, "feeder_final", False)  # the source cannot serve again (feeder.sources.base)
+        n = source.note_fetch_error() if not final else 0
+        if where == "fetch_fun" and not fatal and not final and n <= self._max_fetch_errors:
+            log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated) in worker process pid %s; "
+                        "skipping that call. Its traceback:\n%s", source.name, state.worker_id, n,
+                        self._max_fetch_errors, w.pid, tb, exc_info=cause)
+            return False
         msg_text = f"source {source.name!r}, worker {state.worker_id}: {where} raised {short}: {text}"
-        if where == "fetch_fun" and self._max_fetch_errors:
+        if where == "fetch_fun" and self._max_fetch_errors and not final:
             msg_text += f" (fetch error {n}, more than max_fetch_errors={self._max_fetch_errors})"
         msg_text += f"\nin worker process pid {w.pid}; its traceback:\n{tb.rstrip()}"
         w.done = True

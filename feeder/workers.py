@@ -313,16 +313,20 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                     co.reclaim()
                 if stop.is_set():
                     return
+                if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
+                    state.set("failed")
+                    source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
+                    return
+                if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
+                    state.set("failed")
+                    source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
+                    return
                 state.fetch_errors += 1
                 n = source.note_fetch_error()
                 if isinstance(e, Exception) and n <= max_fetch_errors:
                     log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
                                 source_name, wid, n, max_fetch_errors, exc_info=e)
                     continue
-                if isinstance(e, InputValidationError):  # a source found bad data (feeder.sources): say so
-                    state.set("failed")
-                    source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
-                    return
                 msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
                 if max_fetch_errors:
                     msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
