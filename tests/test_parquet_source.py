@@ -15,6 +15,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from feeder.sources import ParquetSource  # noqa: E402
 
+pytestmark = pytest.mark.parquet  # .ci/run runs these against the declared minimum pyarrow too
+
 
 def write(path, lo, hi, row_group_size):
     ids = np.arange(lo, hi)
@@ -135,6 +137,59 @@ def test_a_state_from_other_files_or_columns_is_refused(files, tmp_path):
                                        resume_from=state)
 
 
+def write_scores(path, scores, row_group_size=10):
+    pq.write_table(pa.table({"id": pa.array(np.arange(len(scores)), pa.int64()), "score": scores}), path,
+                   row_group_size=row_group_size)
+
+
+def test_a_state_of_other_data_with_the_same_files_and_row_groups_is_refused_from_the_footers(tmp_path):
+    """Other dtypes or other values under the same names and row groups: judged from the footers
+    (sizes, schemas, row groups and the used columns' statistics), without reading the data."""
+    path = tmp_path / "s.parquet"
+    write_scores(path, np.arange(30.0))
+    before, state = consume(ParquetSource(path), inputs=["id", "score"], take=1, batch_size=4)
+    coord = feeder.GlobalCoordinator()
+    write_scores(path, np.arange(30.0).astype(np.float32) * 3)  # float32, other values, same row groups
+    with pytest.raises(ValueError, match=r"dtypes: the state has \{'id': 'int64', 'score': 'double'\}, this "
+                                         r"source \{'id': 'int64', 'score': 'float'\}.*footers"):
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
+                                       resume_from=state)
+    write_scores(path, np.arange(30.0) + 0.5)  # float64 again, one value more in each: same size, other stats
+    with pytest.raises(ValueError, match="footers") as info:
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
+                                       resume_from=state)
+    assert "dtypes" not in str(info.value)
+    write_scores(path, np.arange(30.0))  # the same data written again (a new mtime): resumes
+    rest, end = consume(ParquetSource(path), inputs=["id", "score"], resume=state, batch_size=4)
+    assert sorted(np.concatenate([b["id"] for b in before + rest]).tolist()) == list(range(30))
+    assert end["rows_delivered"] == 30
+
+
+def test_a_file_that_changed_after_the_source_was_created_is_named(tmp_path, coord):
+    path = tmp_path / "s.parquet"
+    write_scores(path, np.arange(20.0))
+    src = ParquetSource(path)
+    write_scores(path, np.arange(10.0))  # rewritten between creation and start()
+    feeder.init_data_input_workers(None, ["id", "score"], src, 4, coordinator=coord)
+    with pytest.raises(ValueError, match=r"file '.*s\.parquet' changed since the ParquetSource was created "
+                                         r"\(.* bytes, row groups of \[10, 10\] -> \[10\] rows\)"):
+        coord.start()
+    # and after start(): the first read of it says so, an InputValidationError (bad data, never skipped)
+    from feeder.sources.base import SourceBinding
+    write_scores(path, np.arange(20.0))
+    src = ParquetSource(path)
+    src.feeder_validate(("id", "score"), None)
+    src.feeder_bind(SourceBinding("train", ((0,),), ("id", "score"), True, None))
+    write_scores(path, np.arange(20.0) * 2)
+    with pytest.raises(feeder.InputValidationError, match=r"file '.*s\.parquet' changed since the ParquetSource"):
+        src(0, 4)
+    # a file written again with the same contents (a new mtime only) is not a change
+    write_scores(path, np.arange(20.0))
+    src.feeder_release()
+    src.feeder_bind(SourceBinding("train", ((0,),), ("id", "score"), True, None))
+    assert src(0, 4)[0].tolist() == list(range(10))
+
+
 @pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
 def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(tmp_path, processes):
     path = tmp_path / "nulls.parquet"
@@ -170,6 +225,17 @@ def test_empty_files_end_the_source_at_once(tmp_path):
     assert got == [] and state["rows_delivered"] == 0
     with pytest.raises((FileNotFoundError, ValueError)):
         ParquetSource(tmp_path / "absent.parquet")
+
+
+def test_columns_convert_with_what_pyarrow_14_has(monkeypatch):
+    """pyarrow 14 (the declared minimum) has no string views (16): every other type converts."""
+    from feeder.sources.parquet import to_numpy
+    for name in ("is_string_view", "is_binary_view"):
+        monkeypatch.delattr(pa.types, name, raising=False)
+    assert to_numpy(pa.chunked_array([pa.array([1, 2, 3])]), "x").tolist() == [1, 2, 3]
+    assert to_numpy(pa.array(["a", "b"]), "s").tolist() == ["a", "b"]
+    assert to_numpy(pa.array([b"a"]), "b").tolist() == [b"a"]
+    assert to_numpy(pa.array([True, False]), "f").tolist() == [True, False]
 
 
 def test_without_pyarrow_creating_one_says_what_to_install(monkeypatch, files):

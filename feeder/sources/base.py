@@ -183,6 +183,7 @@ class ShardedSource:
         self.epochs = None if epochs is None else int(epochs)
         self._binding: Optional[SourceBinding] = None
         self._lock = threading.Lock()
+        self._order_cache: Optional[Tuple[int, np.ndarray]] = None
         self._init_units([])
         self._cursors: Dict[int, int] = {}  # ordered: worker id -> the next sequence index it takes
         self._next = 0                      # otherwise, in threads: the next sequence index to take
@@ -217,7 +218,7 @@ class ShardedSource:
         cached = self._order_cache  # (epoch, order), replaced whole: safe to read from any thread
         if cached is not None and cached[0] == epoch:
             return cached[1]
-        order = np.random.default_rng([self.seed, epoch, 0]).permutation(n)
+        order: np.ndarray = np.random.default_rng([self.seed, epoch, 0]).permutation(n)
         self._order_cache = (epoch, order)
         return order
 
@@ -241,7 +242,7 @@ class ShardedSource:
         A block is ``(first epoch, epochs or None for endless, planned)``; ``_starts`` holds the
         sequence index at which each block begins.
         """
-        self._order_cache: Optional[Tuple[int, np.ndarray]] = None
+        self._order_cache = None
         self._plans: Dict[int, List[Tuple[int, Optional[np.ndarray]]]] = {}
         blocks: List[Tuple[int, Optional[int], bool]] = []
         n, u = self.rows, len(self._units)
@@ -372,15 +373,15 @@ class ShardedSource:
                 self._next = index + 1
             return index
         ids = binding.worker_ids
-        index = self._cursors.get(worker_id)
-        if index is None:  # a worker's first call: its place in the round-robin
+        cursor = self._cursors.get(worker_id)
+        if cursor is None:  # a worker's first call: its place in the round-robin
             try:
-                index = ids.index(worker_id)
+                cursor = ids.index(worker_id)
             except ValueError:
                 raise RuntimeError(f"worker {worker_id} is not one of the workers this source was bound to "
                                    f"{ids}") from None
-        self._cursors[worker_id] = index + len(ids)  # only this worker's thread touches its entry
-        return index
+        self._cursors[worker_id] = cursor + len(ids)  # only this worker's thread touches its entry
+        return cursor
 
     def __call__(self, worker_id: int, batch_size: int) -> List[np.ndarray]:
         where = self._locate(self._take(worker_id))

@@ -12,19 +12,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import InputValidationError
-from .base import ShardedSource
+from .arrow import import_pyarrow, to_numpy
+from .base import ShardedSource, SourceBinding
+
+__all__ = ["ParquetSource", "import_pyarrow", "to_numpy"]  # to_numpy: moved to .arrow, importable here too
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-def import_pyarrow() -> Any:
-    try:
-        import pyarrow
-        import pyarrow.parquet  # noqa: F401
-    except ImportError as e:
-        raise ImportError("ParquetSource needs pyarrow: pip install 'feeder[parquet]' (or pip install pyarrow)") \
-            from e
-    return pyarrow
 
 
 def _list_files(paths: Union[PathLike, Sequence[PathLike]]) -> List[Tuple[str, str]]:
@@ -63,6 +56,13 @@ class ParquetSource(ShardedSource):
     have one length become n-d arrays, strings become str arrays. A null in a used column is an
     InputValidationError naming it; a column that is missing is a ValueError at registration
     (at creation when ``columns`` is given).
+
+    What a checkpoint must match (``feeder_definition``) is judged from the files' footers,
+    never by reading the data: the files and their sizes, schemas, row groups and, for the used
+    columns, their Arrow types and the column chunks' statistics (min, max, null and value
+    counts) and sizes. A file that changes after the source was created (its size or time
+    stamp moved and its footer no longer matches) is a ValueError at ``start()`` or an
+    InputValidationError at the first read of it, naming the file.
     """
 
     def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
@@ -74,30 +74,43 @@ class ParquetSource(ShardedSource):
                             f"got {type(columns).__name__}")
         self.columns: Optional[Dict[str, str]] = dict(columns) if columns is not None else None
         self.files = _list_files(paths)
-        self._schemas: List[List[str]] = []
+        # Per file: its columns' Arrow types (files of one schema share one dict), its (size in
+        # bytes, mtime in ns) when read here, and the row counts of all its row groups.
+        self._fields: List[Dict[str, str]] = []
+        self._stamps: List[Tuple[int, int]] = []
+        self._groups: List[List[int]] = []
+        # The footers read here, kept until the used columns' fingerprint is taken from them
+        # (at registration, when the columns are known), so a file is never read twice for it.
+        self._metas: Optional[List[Any]] = []
+        self._prints: Optional[List[str]] = None  # per file, see _file_print
+        self._printed_for: Optional[Tuple[str, ...]] = None
+        shared: Dict[Tuple[Tuple[str, str], ...], Dict[str, str]] = {}
         units: List[int] = []
         self._unit_at: List[Tuple[int, int]] = []  # unit -> (file index, row group)
         for i, (path, _) in enumerate(self.files):
-            meta = pa.parquet.ParquetFile(path).metadata
-            self._schemas.append(list(meta.schema.to_arrow_schema().names))
-            for rg in range(meta.num_row_groups):
-                n = meta.row_group(rg).num_rows
+            stamp = _stamp(path)
+            meta = pa.parquet.read_metadata(path)
+            fields = tuple((f.name, str(f.type)) for f in meta.schema.to_arrow_schema())
+            self._fields.append(shared.setdefault(fields, dict(fields)))
+            self._stamps.append(stamp)
+            self._metas.append(meta)
+            groups = [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
+            self._groups.append(groups)
+            for rg, n in enumerate(groups):
                 if n:
                     units.append(n)
                     self._unit_at.append((i, rg))
-        self._file_rows = [0] * len(self.files)
-        for (i, _), n in zip(self._unit_at, units):
-            self._file_rows[i] += n
+        self._file_rows = [sum(g) for g in self._groups]
         self._init_units(units)
         if self.columns is not None:
             self._check_columns(list(self.columns.values()))
         self._handles: Dict[int, Tuple[int, Any]] = {}  # worker id -> (file index, open ParquetFile)
 
     def _check_columns(self, wanted: Sequence[str]) -> None:
-        for (path, _), names in zip(self.files, self._schemas):
-            missing = [c for c in wanted if c not in names]
+        for (path, _), fields in zip(self.files, self._fields):
+            missing = [c for c in wanted if c not in fields]
             if missing:
-                raise ValueError(f"ParquetSource: column(s) {missing} not in {path!r} (its columns: {names})")
+                raise ValueError(f"ParquetSource: column(s) {missing} not in {path!r} (its columns: {list(fields)})")
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         if self.columns is None:
@@ -111,14 +124,72 @@ class ParquetSource(ShardedSource):
                                  f"{list(input_names)}" + (f"; missing {unknown}" if unknown else "")
                                  + (f"; not inputs {extra}" if extra else ""))
             self.columns = {n: self.columns[n] for n in input_names}
+        self._fingerprint()
         super().feeder_validate(input_names, resume)
+
+    # ---- what a state must match ----
+    def _used(self) -> Tuple[str, ...]:
+        if self.columns is not None:
+            return tuple(self.columns.values())
+        return tuple(self._fields[0]) if self._fields else ()
+
+    def _fingerprint(self) -> List[str]:
+        """Each file's footer fingerprint for the used columns (see _file_print), taken once."""
+        used = self._used()
+        if self._prints is None or self._printed_for != used:
+            metas = self._metas
+            if metas is None:  # taken before for other columns: read the footers again
+                pa = import_pyarrow()
+                metas = [pa.parquet.read_metadata(path) for path, _ in self.files]
+            self._prints = [_file_print(meta, size, used) for meta, (size, _) in zip(metas, self._stamps)]
+            self._printed_for = used
+            self._metas = None
+        return self._prints
 
     def _definition(self) -> Dict[str, Any]:
         d = super()._definition()
         d["files"] = [[name, rows] for (_, name), rows in zip(self.files, self._file_rows)]
         d["columns"] = self.columns
+        d["dtypes"] = {name: " | ".join(sorted({f[col] for f in self._fields if col in f}))
+                       for name, col in (self.columns or {c: c for c in self._used()}).items()}
         d["row_groups"] = hashlib.sha1(np.asarray(self._units).tobytes()).hexdigest()[:16]
+        d["footers"] = hashlib.sha1("".join(self._fingerprint()).encode()).hexdigest()[:16]
         return d
+
+    def _changed(self, index: int, meta: Any = None) -> Optional[str]:
+        """None if file ``index`` is as it was when the source was created (its size and mtime,
+        or else its footer's fingerprint), else a sentence saying how it changed."""
+        path = self.files[index][0]
+        size, mtime = self._stamps[index]
+        try:
+            now = _stamp(path)
+        except OSError as e:
+            return f"Parquet file {path!r} cannot be read any more ({type(e).__name__}: {e})"
+        if now == (size, mtime):
+            return None
+        if meta is None:
+            meta = import_pyarrow().parquet.read_metadata(path)
+        prints = self._fingerprint()
+        if _file_print(meta, now[0], self._used()) == prints[index]:
+            self._stamps[index] = now  # touched, not changed: no need to look at its footer again
+            return None
+        groups = [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
+        what = [f"{size} -> {now[0]} bytes"] if now[0] != size else []
+        if groups != self._groups[index]:
+            what.append(f"row groups of {self._groups[index]} -> {groups} rows")
+        if not what:
+            what.append("other column statistics in its footer")
+        return (f"Parquet file {path!r} changed since the ParquetSource was created ({', '.join(what)}); "
+                f"create the source again to read it as it is now (a state of the old contents cannot resume "
+                f"on the new ones)")
+
+    # ---- the binding protocol ----
+    def feeder_bind(self, binding: SourceBinding) -> None:
+        for index in range(len(self.files)):
+            changed = self._changed(index)
+            if changed is not None:
+                raise ValueError(f"source {binding.source_name!r}: {changed}")
+        super().feeder_bind(binding)
 
     def feeder_describe(self) -> str:
         return f"{super().feeder_describe()} (row groups) of {len(self.files)} Parquet file(s)"
@@ -130,6 +201,7 @@ class ParquetSource(ShardedSource):
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
         state["_handles"] = {}  # open files stay with their process
+        state["_metas"] = None  # footers are not sent: the fingerprint was taken at registration
         return state
 
     def _file(self, worker_id: int, index: int) -> Any:
@@ -138,6 +210,9 @@ class ParquetSource(ShardedSource):
             return held[1]
         pa = import_pyarrow()
         pf = pa.parquet.ParquetFile(self.files[index][0])
+        changed = self._changed(index, pf.metadata)
+        if changed is not None:
+            raise InputValidationError(changed)
         self._handles[worker_id] = (index, pf)  # one open file per worker: each thread its own
         return pf
 
@@ -147,6 +222,9 @@ class ParquetSource(ShardedSource):
         cols = list(self.columns.values())
         table = self._file(worker_id, index).read_row_group(rg, columns=cols)
         n = int(self._units[unit])
+        if table.num_rows != n:  # changed under an open handle: never a short or mixed chunk
+            raise InputValidationError(f"Parquet file {self.files[index][0]!r} changed since the ParquetSource was "
+                                       f"created: row group {rg} has {table.num_rows} rows, it had {n}")
         whole = len(rows) == n and (n < 2 or (rows[0] == 0 and bool((np.diff(rows) == 1).all())))
         out = []
         for name, col in zip(self.columns, cols):
@@ -156,40 +234,38 @@ class ParquetSource(ShardedSource):
         return out
 
 
-def to_numpy(column: Any, where: str) -> np.ndarray:
-    """A pyarrow (Chunked)Array as a numpy array, without a copy where the type allows."""
-    pa = import_pyarrow()
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    return _convert(pa, arr, where)
+def _stamp(path: str) -> Tuple[int, int]:
+    """(size in bytes, mtime in ns) of a file."""
+    st = os.stat(path)
+    return int(st.st_size), int(st.st_mtime_ns)
 
 
-def _convert(pa: Any, arr: Any, where: str) -> np.ndarray:
-    if arr.null_count:  # checked at every level: a list's values may hold nulls of their own
-        raise InputValidationError(f"{where} has {arr.null_count} null value(s); feeder inputs cannot hold nulls "
-                                   f"(fill or filter them before feeding)")
-    t = arr.type
-    if isinstance(t, pa.BaseExtensionType):
-        if isinstance(t, pa.FixedShapeTensorType):
-            return np.asarray(arr.to_numpy_ndarray())
-        return _convert(pa, arr.storage, where)
-    if pa.types.is_fixed_size_list(t):
-        values = _convert(pa, arr.flatten(), where)
-        return values.reshape((len(arr), t.list_size) + values.shape[1:])
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        lengths = np.diff(np.asarray(arr.offsets))
-        if len(lengths) and (lengths != lengths[0]).any():
-            raise InputValidationError(f"{where}: lists of different lengths ({int(lengths.min())} to "
-                                       f"{int(lengths.max())}) cannot make an array; store fixed-size lists")
-        values = _convert(pa, arr.flatten(), where)
-        size = int(lengths[0]) if len(lengths) else 0
-        return values.reshape((len(arr), size) + values.shape[1:])
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=str)
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=bytes)
-    if pa.types.is_boolean(t) or pa.types.is_dictionary(t):
-        return np.asarray(arr.to_numpy(zero_copy_only=False))
+def _file_print(meta: Any, size: int, used: Sequence[str]) -> str:
+    """A fingerprint of a Parquet file's data from its footer alone: its size, its schema, its row
+    groups' row counts and, for each column chunk of the ``used`` columns, its value count, its
+    compressed size and its statistics (min, max, null count). Other values or another dtype
+    change it; reading the file does not come into it."""
+    h = hashlib.sha1()
+    fields = [(f.name, str(f.type)) for f in meta.schema.to_arrow_schema()]
+    h.update(repr((size, fields, [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])).encode())
+    leaves = []
+    for j in range(meta.num_columns):
+        path = meta.schema.column(j).path
+        if any(path == c or path.startswith(c + ".") for c in used):
+            leaves.append(j)
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for j in leaves:
+            chunk = group.column(j)
+            h.update(repr((j, chunk.num_values, chunk.total_compressed_size, _stats(chunk.statistics))).encode())
+    return h.hexdigest()[:16]
+
+
+def _stats(st: Any) -> Any:
+    if st is None:
+        return None
     try:
-        return np.asarray(arr.to_numpy(zero_copy_only=True))
-    except (pa.ArrowInvalid, NotImplementedError):
-        return np.asarray(arr.to_numpy(zero_copy_only=False))
+        minmax = (st.min, st.max) if st.has_min_max else None
+    except Exception:  # a logical type pyarrow cannot turn into a Python value: its raw bytes
+        minmax = (st.physical_type, st.has_min_max)
+    return minmax, st.null_count if st.has_null_count else None, st.num_values
