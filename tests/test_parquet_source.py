@@ -55,13 +55,13 @@ INPUTS = ["id", "score", "img", "tensor", "pair", "name", "flag"]
 
 
 def consume(source, *, inputs=INPUTS, workers=3, ordered=False, batch_size=16, take=None, resume=None, replicas=1,
-            processes=0):
+            processes=0, **options):
     coord = feeder.GlobalCoordinator(join_timeout=3.0)
     try:
         for _ in range(replicas):
             feeder.init_data_input_workers(None, inputs, source, batch_size, num_worker_threads=workers,
                                            coordinator=coord, ordered=ordered, resume_from=resume,
-                                           **({"num_worker_processes": processes} if processes else {}))
+                                           **({"num_worker_processes": processes} if processes else {}), **options)
         coord.start()
         got, live, i = [], list(coord.feeds("train")), 0
         while live and (take is None or len(got) < take):
@@ -199,6 +199,9 @@ def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(tmp_path
     assert sum(len(b["ok"]) for b in got) == 30
     with pytest.raises(feeder.InputValidationError, match="column 'x'.*null"):
         consume(ParquetSource(path), inputs=["x"], processes=processes)
+    # bad data is not a transient failure: max_fetch_errors does not skip it
+    with pytest.raises(feeder.InputValidationError, match="column 'x'.*null"):
+        consume(ParquetSource(path), inputs=["x"], processes=processes, max_fetch_errors=5)
     lists = tmp_path / "list_nulls.parquet"
     pq.write_table(pa.table({"v": pa.array([[1.0, None]] * 4, pa.list_(pa.float64(), 2))}), lists)
     with pytest.raises(feeder.InputValidationError, match="column 'v'.*null"):
