@@ -144,14 +144,61 @@ def test_a_missing_column_is_a_value_error_naming_it(ray_local, coord):
     with pytest.raises(ValueError, match="give no column for inputs \\['y'\\]"):
         feeder.init_data_input_workers(None, ["x", "y"], RayDataSource(ray_local.data.range(10),
                                        columns={"x": "id"}), batch_size=4, coordinator=coord)
-    # Schema known only by running (map_batches): at the first batch, as an InputValidationError (a
-    # ValueError) naming the column. Learning it at registration would run the pipeline, which can
-    # wait forever on a cluster that cannot place it (test_stall_... uses such a pipeline).
-    feeder.init_data_input_workers(None, ["x", "nope"], RayDataSource(pipeline(ray_local, rows=100, blocks=2)),
-                                   batch_size=4, coordinator=coord, input_source_name="ray", timeout=60)
+    # Schema known only by running (map_batches): registration runs the first block to learn it.
+    source = RayDataSource(pipeline(ray_local, rows=100, blocks=2))
+    with pytest.raises(ValueError, match=r"column 'nope' \(input 'nope'\) is not in the dataset; its columns are "
+                                         r"\['k', 'x'\]"):
+        feeder.init_data_input_workers(None, ["x", "nope"], source, batch_size=4, coordinator=coord,
+                                       input_source_name="ray", timeout=60)
+    # the columns learned are kept: a good registration of the same source runs nothing more
+    assert source._names == ["x", "k"]
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=4, coordinator=coord,
+                                   input_source_name="ray", timeout=60)
     with coord:
-        with pytest.raises(feeder.InputValidationError, match="'nope'"):
-            coord.feed("ray").next_batch()
+        keys, errors = consume_all(coord.feeds("ray"))
+    assert errors == [None] and np.array_equal(np.sort(keys[0]), np.arange(100))
+
+
+def test_learning_the_columns_at_registration_never_hangs(ray_local, coord):
+    """A pipeline that cannot run its first block (a resource no node has): registration waits
+    stall_timeout, then says why, and leaves no thread behind (the conftest checks)."""
+    from feeder.sources import RayDataSource
+    from feeder.sources.ray import RayStallError
+
+    source = RayDataSource(pipeline(ray_local, rows=100, blocks=2, resources={"nowhere": 1}), stall_timeout=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(RayStallError, match=r"columns could not be learned at registration: its first block did "
+                                            r"not come within stall_timeout=2 s"):
+        feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=4, coordinator=coord)
+    assert time.monotonic() - t0 < 10
+    assert not coord.feeds("train")
+
+
+def test_a_null_in_a_used_column_is_an_input_validation_error_naming_it(ray_local, coord):
+    """Not a NaN: an int64 column with a null would come as float64 from Ray's numpy batches."""
+    import pyarrow as pa
+
+    from feeder.sources import RayDataSource
+
+    ids = pa.array([float(i) if i % 50 != 49 else None for i in range(200)], pa.float64())
+    table = pa.table({"id": pa.array(range(200), pa.int64()), "k": pa.array(range(200), pa.int64()), "v": ids,
+                      "w": pa.array([i if i != 120 else None for i in range(200)], pa.int64())})
+    ds = ray_local.data.from_arrow(table)
+    for inputs, column in ((["id", "w"], "w"), (["v"], "v")):
+        for budget in (0, 5):  # bad data is not a transient failure: max_fetch_errors does not skip it
+            c = feeder.GlobalCoordinator(join_timeout=3.0)
+            feeder.init_data_input_workers(None, inputs, RayDataSource(ds), batch_size=16, coordinator=c,
+                                           max_fetch_errors=budget, timeout=60)
+            try:
+                with c, pytest.raises(feeder.InputValidationError, match=f"column '{column}'.*null"):
+                    list(c.feed("train"))
+            finally:
+                c.stop()
+    # columns without nulls keep their dtype (no float64 from an int64 column)
+    feeder.init_data_input_workers(None, ["id", "k"], RayDataSource(ds), batch_size=16, coordinator=coord)
+    with coord:
+        batches = list(coord.feed("train"))
+    assert batches[0]["id"].dtype == np.int64 and sum(len(b["id"]) for b in batches) == 200
 
 
 def test_worker_processes_are_refused_at_registration(ray_local, coord):
@@ -191,14 +238,39 @@ def test_an_error_in_a_ray_task_is_a_fetch_error_with_the_cause(ray_local, coord
     assert coord.stop()
 
 
-def test_stall_waiting_on_ray_times_out_with_diagnosis_then_fails(ray_local, coord):
+def test_one_ray_failure_is_counted_once_and_the_dead_stream_fails_at_once(ray_local, coord):
+    """With max_fetch_errors=5 the task error is one tolerated fetch error; the shard's stream is
+    dead after it, so the next call fails the source (a FetchError caused by Ray's error), and no
+    call counts it again."""
+    from feeder.sources import RayDataSource
+
+    def boom(ids):
+        if ids[0] >= 300:
+            raise ZeroDivisionError(f"bad block at {ids[0]}")
+
+    source = RayDataSource(pipeline(ray_local, rows=600, blocks=6, fn=boom))
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=50, num_worker_threads=3,
+                                   input_source_name="ray", coordinator=coord, timeout=60, max_fetch_errors=5)
+    coord.start()
+    keys, errors = consume_all(coord.feeds("ray"))
+    err = errors[0]
+    assert isinstance(err, feeder.FetchError), err
+    assert isinstance(err.__cause__, ray_local.exceptions.RayTaskError)
+    assert "failed earlier" in str(err) and "cannot go on" in str(err) and "'ray'" in str(err)
+    assert coord.feed("ray").metrics()["fetch_errors"] == 1.0
+
+
+def test_stall_waiting_on_ray_times_out_with_diagnosis_then_fails(ray_local, coord, tmp_path):
     """A step that needs a resource no node has never runs: the consumer's timeout says the source
     waits on Ray, and after stall_timeout the source fails with FetchError: never a hang."""
     from feeder.sources import RayDataSource
     from feeder.sources.ray import RayStallError
 
-    source = RayDataSource(pipeline(ray_local, rows=100, blocks=2, resources={"nowhere": 1}), stall_timeout=2.5)
-    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=10, num_worker_threads=2,
+    # A read whose tasks need what no node has: its schema is known without running (the files'
+    # metadata), so registration runs nothing and the stall shows in the stream.
+    ds = stalled_read(ray_local, tmp_path)
+    source = RayDataSource(ds, stall_timeout=2.5)
+    feeder.init_data_input_workers(None, ["id"], source, batch_size=10, num_worker_threads=2,
                                    input_source_name="ray", coordinator=coord, timeout=30)
     coord.start()
     feed = coord.feed("ray")
@@ -212,6 +284,34 @@ def test_stall_waiting_on_ray_times_out_with_diagnosis_then_fails(ray_local, coo
     t0 = time.monotonic()
     assert coord.stop()  # the pump stuck in Ray is released (the split actor is killed)
     assert time.monotonic() - t0 < 5
+
+
+def stalled_read(ray, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"id": np.arange(100)}), path)
+    return ray.data.read_parquet(path, resources={"nowhere": 1})
+
+
+def test_a_stall_counts_once_per_stall_timeout(ray_local, coord, tmp_path):
+    """max_fetch_errors=3 and a stream that never comes: one fetch error per stall_timeout of
+    waiting, not one per fetch call (which would use the budget up at once)."""
+    from feeder.sources import RayDataSource
+    from feeder.sources.ray import RayStallError
+
+    source = RayDataSource(stalled_read(ray_local, tmp_path), stall_timeout=1.0)
+    feeder.init_data_input_workers(None, ["id"], source, batch_size=10, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=30, max_fetch_errors=3)
+    coord.start()
+    feed = coord.feed("ray")
+    t0 = time.monotonic()
+    with pytest.raises(feeder.FetchError, match="more than max_fetch_errors=3") as info:
+        feed.next_batch(timeout=20)
+    assert isinstance(info.value.__cause__, RayStallError)
+    assert time.monotonic() - t0 > 3.5  # the 4th stall, after 4 stall_timeouts
+    assert feed.metrics()["fetch_errors"] == 4.0
 
 
 def test_stop_mid_stream_releases_and_a_new_start_reads_again(ray_local, coord):

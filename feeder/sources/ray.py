@@ -11,18 +11,36 @@ timeouts with a diagnosis, the row ledger). So this source does no distribution 
 
 How it works. ``feeder_bind`` (called by ``coord.start()`` before any fetcher runs) splits the
 dataset with ``streaming_split(n, equal=False)``, n being the number of registrations of the
-source, and starts one pump thread per shard. A pump iterates its shard's numpy batches and
-hands them to the fetcher threads of its replica through a small bounded queue; a fetch call
-takes one. Why a pump thread rather than fetchers calling ``next()`` under a lock: a call into
-Ray can block for good (a lost node whose task cannot be retried), and only a wait we own can be
-bounded. Every split must start iterating for the split coordinator's epoch barrier to pass,
-which the pumps do at bind whatever the replicas' fetchers are doing.
+source, and starts one pump thread per shard. A pump iterates its shard's batches (Arrow
+tables, converted to numpy by the converter ParquetSource uses, so a null in a used column is an
+``InputValidationError`` naming it, never a NaN) and hands them to the fetcher threads of its
+replica through a small bounded queue; a fetch call takes one. Why a pump thread rather than
+fetchers calling ``next()`` under a lock: a call into Ray can block for good (a lost node whose
+task cannot be retried), and only a wait we own can be bounded. Every split must start
+iterating for the split coordinator's epoch barrier to pass, which the pumps do at bind
+whatever the replicas' fetchers are doing.
+
+Columns at registration. ``feeder_validate`` checks that the dataset has every column the
+inputs need. Where the plan knows its schema without running (a read, ``range``) that costs
+nothing; after a ``map_batches`` the schema is only known by running, so registration runs the
+pipeline's first block, as ``Dataset.schema()`` does (``limit(1)``), through a
+``streaming_split(1)`` of its own read by a thread: the wait is bounded by ``stall_timeout`` (the
+split's coordinator actor is killed then, which ends the thread), and a pipeline that cannot run
+its first block in that time is a :class:`RayStallError` at registration saying so. The block is
+not kept: the stream a ``start()`` splits runs the pipeline from its beginning (Ray offers no way
+to hand a block already made to one of the shards of a later split), so the first block is
+computed twice. The columns learned are kept by the source object, so its replicas and later
+starts do not run it again.
 
 Faults. An exception from Ray (a failed task: ``RayTaskError`` wrapping the user's exception;
-an object lost with its node and not reconstructable) is raised by the replica's fetch calls, so
-consumers get ``FetchError`` with it as ``__cause__``. A shard that has been waiting on Ray for
-``stall_timeout`` seconds raises :class:`RayStallError` the same way: never a hang. Ray retries
-tasks of a lost node where it can; then the stream simply continues.
+an object lost with its node and not reconstructable) ends the shard's stream. The next fetch
+call of its replica raises it, so consumers get ``FetchError`` with it as ``__cause__`` (with
+``max_fetch_errors``, that one call is counted and skipped); every later call raises
+:class:`RayShardFailed`, which says it is final (``feeder_final``, see ``feeder.sources.base``):
+the source fails at once with a ``FetchError`` whose ``__cause__`` is Ray's exception, never
+counted again. A shard that has been waiting on Ray for ``stall_timeout`` seconds raises
+:class:`RayStallError` the same way, once per ``stall_timeout`` it goes on waiting: never a hang.
+Ray retries tasks of a lost node where it can; then the stream simply continues.
 
 ``feeder_release`` (at ``stop()``) stops the pumps, closes their iterators and kills the split
 coordinator actor it created, so a pump stuck in Ray returns and no thread is left behind. A later
@@ -42,8 +60,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InputValidationError
+from ..errors import FeederError, InputValidationError
 from ..workers import join_all
+from .arrow import to_numpy
 from .base import ROW_KEY, SourceBinding
 
 log = logging.getLogger("feeder")
@@ -56,7 +75,16 @@ RELEASE_JOIN_S = 2.0    # and waits this long for them afterwards
 
 
 class RayStallError(TimeoutError):
-    """A Ray Data shard produced no batch for ``stall_timeout`` seconds while feeder waited on it."""
+    """A Ray Data shard produced no batch for ``stall_timeout`` seconds while feeder waited on it
+    (or, at registration, the dataset's first block did not come in that time)."""
+
+
+class RayShardFailed(RuntimeError):
+    """A fetch from a Ray Data shard whose stream already failed (its error was raised once): the
+    stream cannot go on, so feeder fails the source at once (``feeder_final``); ``__cause__`` is
+    the shard's error."""
+
+    feeder_final = True
 
 
 def _import_ray_data() -> Any:
@@ -86,6 +114,11 @@ class _Shard:
         self.error: Optional[BaseException] = None
         self.ended = False
         self.waiting_since = 0.0  # monotonic time the pump began waiting on Ray; 0.0: not waiting
+        # Fetch calls' side (guarded by _said): whether the pump's error was raised yet, and when a
+        # stall was last raised (each stall_timeout of waiting is one fetch error, not one per call).
+        self._said = threading.Lock()
+        self.error_raised = False
+        self.stall_raised = 0.0
         self.started_at = time.monotonic()
         self.batches = 0
         self.rows = 0
@@ -96,7 +129,7 @@ class _Shard:
     def _pump(self) -> None:
         it: Any = None
         try:
-            it = iter(self.iterator.iter_batches(batch_size=self.batch_size, batch_format="numpy",
+            it = iter(self.iterator.iter_batches(batch_size=self.batch_size, batch_format="pyarrow",
                                                  prefetch_batches=self.prefetch_batches))
             while not self.stop.is_set():
                 self.waiting_since = time.monotonic()
@@ -108,7 +141,7 @@ class _Shard:
                 finally:
                     self.waiting_since = 0.0
                 arrays = self._select(batch)
-                rows = len(arrays[0]) if arrays else 0
+                rows = int(batch.num_rows)
                 while not self.stop.is_set():
                     try:
                         self.ready.put(arrays, timeout=SLICE_S)
@@ -129,26 +162,36 @@ class _Shard:
                 except Exception:
                     log.debug("source %r: closing Ray Data shard %d", self.source_name, self.index, exc_info=True)
 
-    def _select(self, batch: Mapping[str, Any]) -> List[np.ndarray]:
+    def _select(self, batch: Any) -> List[np.ndarray]:
+        """The inputs' columns of an Arrow table, as numpy arrays (a null: InputValidationError)."""
         out = []
+        names = list(batch.column_names)
         for name, column in self.columns:
-            if column not in batch:
+            if column not in names:
                 # a ValueError too: the consumer sees the column named, as at registration
                 raise InputValidationError(f"RayDataSource for source {self.source_name!r}: column {column!r} (input "
-                                 f"{name!r}) is not in the dataset; its columns are {sorted(batch)}")
-            out.append(np.asarray(batch[column]))
+                                           f"{name!r}) is not in the dataset; its columns are {sorted(names)}")
+            where = f"column {column!r} (input {name!r}) of Ray Data shard {self.index}"
+            out.append(to_numpy(batch.column(column), where))
         return out
 
     # ---- fetch calls (fetcher threads) ---------------------------------------------------------
     def take(self, worker_id: int, stall_timeout: float) -> List[np.ndarray]:
-        """The next batch of this shard; StopIteration at its end; Ray's error; RayStallError."""
+        """The next batch of this shard; StopIteration at its end; the shard's error once, then
+        RayShardFailed; RayStallError once per ``stall_timeout`` of waiting on Ray."""
         while True:
             try:
                 return self.ready.get(timeout=SLICE_S)
             except queue.Empty:
                 pass
-            if self.error is not None:
-                raise self.error
+            error = self.error
+            if error is not None:
+                with self._said:
+                    first, self.error_raised = not self.error_raised, True
+                if first:
+                    raise error
+                raise RayShardFailed(f"Ray Data shard {self.index} failed earlier ({type(error).__name__}: {error}); "
+                                     f"its stream cannot go on") from error
             if self.stop.is_set():
                 # Only after stop() signalled the fetchers, which then ignore what a call raises.
                 raise RuntimeError(f"source {self.source_name!r}: Ray Data shard {self.index} was released")
@@ -157,10 +200,15 @@ class _Shard:
                     raise StopIteration
                 continue
             since = self.waiting_since
-            if since and time.monotonic() - since > stall_timeout:
+            if since and time.monotonic() - max(since, self.stall_raised) > stall_timeout:
+                with self._said:
+                    now = time.monotonic()
+                    if now - max(since, self.stall_raised) <= stall_timeout:
+                        continue  # another fetcher of this shard raised it just now
+                    self.stall_raised = now
                 raise RayStallError(
                     f"source {self.source_name!r}, worker {worker_id}: Ray Data shard {self.index} produced no batch "
-                    f"for {time.monotonic() - since:.1f} s (stall_timeout={stall_timeout:g} s): Ray cannot make "
+                    f"for {now - since:.1f} s (stall_timeout={stall_timeout:g} s): Ray cannot make "
                     f"progress (a lost node whose tasks it cannot retry, or resources no node has); "
                     f"see ray status and the Ray Data logs")
 
@@ -176,6 +224,11 @@ class _Shard:
         else:
             what = "running"
         return f"Ray Data shard {self.index} {what} ({self.batches} batches, {self.rows} rows so far)"
+
+
+def _schema_names(schema: Any) -> Optional[List[str]]:
+    names = getattr(schema, "names", None)
+    return [str(n) for n in names] if names else None
 
 
 class RayDataSource:
@@ -222,6 +275,7 @@ class RayDataSource:
         self._by_worker: Dict[int, _Shard] = {}
         self._split_actors: List[Any] = []
         self._source_name = ""
+        self._names: Optional[List[str]] = None  # the dataset's columns, once learned (see _learn_names)
 
     def __repr__(self) -> str:
         return f"RayDataSource({type(self.dataset).__name__}, columns={self.columns!r})"
@@ -238,6 +292,7 @@ class RayDataSource:
         self._by_worker = {}
         self._split_actors = []
         self._source_name = ""
+        self._names = None
 
     # ---- the binding protocol ------------------------------------------------------------------
     def _pairs(self, input_names: Sequence[str]) -> List[Tuple[str, str]]:
@@ -252,21 +307,83 @@ class RayDataSource:
             raise ValueError(f"RayDataSource columns give no column for inputs {missing}")
         return [(name, self.columns[name]) for name in input_names]
 
-    def _check_schema(self, pairs: Sequence[Tuple[str, str]]) -> None:
-        """Missing columns are a ValueError at registration where the plan knows its schema without
-        running. Otherwise (a ``map_batches`` may rename columns) the first batch checks and the
-        consumer gets an InputValidationError (a ValueError) naming the column: learning the schema
-        here would run the pipeline's first block, which waits forever when the cluster cannot
-        place it (registration must never hang)."""
+    def _learn_names(self) -> Optional[List[str]]:
+        """The dataset's column names, learned once (see "Columns at registration" in the module
+        docstring); None only for a kind of DataIterator whose schema cannot be asked for, or a
+        dataset with no block at all (the first batch checks then)."""
+        if self._names is not None:
+            return self._names
         rd = _import_ray_data()
-        if not isinstance(self.dataset, rd.Dataset):
-            return
+        dataset = self.dataset
+        if isinstance(dataset, rd.DataIterator):
+            base = getattr(dataset, "_base_dataset", None)  # private: a plain iterator's dataset
+            if base is None:
+                # A shard of a split made elsewhere: its coordinator actor knows the schema (and
+                # learns it as Dataset.schema() does); a wait on an actor call can be bounded.
+                actor = getattr(dataset, "_coord_actor", None)  # private, as in feeder_bind
+                if actor is None:
+                    return None
+                import ray
+                try:
+                    schema = ray.get(actor.get_dataset_schema.remote(), timeout=self.stall_timeout)
+                except ray.exceptions.GetTimeoutError:
+                    raise RayStallError(self._stalled_text("the DataIterator's split coordinator did not say its "
+                                                           "schema")) from None
+                self._names = _schema_names(schema)
+                return self._names
+            dataset = base
         try:
-            schema = self.dataset.schema(fetch_if_missing=False)
-        except Exception:  # an exotic plan: the first batch checks instead
-            log.debug("RayDataSource: schema not available cheaply", exc_info=True)
-            return
-        names = getattr(schema, "names", None)
+            names = _schema_names(dataset.schema(fetch_if_missing=False))
+        except Exception:  # an exotic plan: learn it by running, below
+            log.debug("RayDataSource: schema not available without running", exc_info=True)
+            names = None
+        self._names = names if names else self._probe_names(dataset)
+        return self._names
+
+    def _probe_names(self, dataset: Any) -> Optional[List[str]]:
+        """Run the dataset's first block (``limit(1)``) in a thread of our own, bounded by
+        ``stall_timeout``: its columns, or None for a dataset without rows."""
+        import ray
+        (split,) = dataset.limit(1).streaming_split(1, equal=False)
+        actor = getattr(split, "_coord_actor", None)  # private; killing it ends a wait on Ray
+        box: Dict[str, Any] = {}
+
+        def first_block() -> None:
+            try:
+                for batch in split.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    box["names"] = list(batch.column_names)
+                    return
+            except BaseException as e:  # noqa: B902 - re-raised by the caller
+                box["error"] = e
+
+        thread = threading.Thread(target=first_block, name="feeder:ray-schema", daemon=True)
+        thread.start()
+        thread.join(self.stall_timeout)
+        timed_out = thread.is_alive()
+        if actor is not None:
+            try:
+                ray.kill(actor)
+            except Exception:
+                log.debug("RayDataSource: killing the schema probe's split coordinator", exc_info=True)
+        join_all([thread], time.monotonic() + RELEASE_JOIN_S)
+        if timed_out:
+            raise RayStallError(self._stalled_text("its first block did not come"))
+        error = box.get("error")
+        if error is not None:
+            raise FeederError(f"RayDataSource: learning the dataset's columns at registration ran its first block, "
+                              f"which failed: {type(error).__name__}: {error}") from error
+        names: Optional[List[str]] = box.get("names")
+        return names
+
+    def _stalled_text(self, what: str) -> str:
+        return (f"RayDataSource: the dataset's columns could not be learned at registration: {what} within "
+                f"stall_timeout={self.stall_timeout:g} s (Ray cannot run the pipeline now: resources no node has, "
+                f"or a cluster busy with other work). The columns are checked at registration so that a missing "
+                f"one is found before start(); give the source a larger stall_timeout if the first block is slow")
+
+    def _check_columns(self, pairs: Sequence[Tuple[str, str]]) -> None:
+        """ValueError naming a column the inputs need that the dataset lacks (see _learn_names)."""
+        names = self._learn_names()
         if not names:
             return
         for name, column in pairs:
@@ -275,12 +392,13 @@ class RayDataSource:
                                  f"is not in the dataset; its columns are {sorted(names)}")
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
-        """At registration: columns for every input, present in the dataset where its schema is
-        known without running it (otherwise the first batch checks), and no resume state."""
+        """At registration: columns for every input, present in the dataset (learned by running
+        its first block when the plan does not know them, see the module docstring), and no
+        resume state."""
         if resume is not None:
             raise ValueError("RayDataSource cannot resume from a state: a Ray Data stream has no row keys "
                              "(run it again from the start, or checkpoint upstream of Ray)")
-        self._check_schema(self._pairs([n for n in input_names if n != ROW_KEY]))
+        self._check_columns(self._pairs([n for n in input_names if n != ROW_KEY]))
 
     def feeder_bind(self, binding: SourceBinding) -> None:
         """Split the dataset, one shard per replica, and start a pump per shard (see the module doc)."""
@@ -288,7 +406,7 @@ class RayDataSource:
             raise ValueError(f"source {binding.source_name!r}: RayDataSource cannot resume from a state; Ray Data "
                              f"streams have no row keys (run it again from the start, or checkpoint upstream)")
         pairs = self._pairs([n for n in binding.input_names if n != ROW_KEY])
-        self._check_schema(pairs)
+        self._check_columns(pairs)  # learned at registration: nothing runs here
         self.feeder_release()  # a bind after a start without stop: never two live splits
         rd = _import_ray_data()
         n = len(binding.replicas)
