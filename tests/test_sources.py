@@ -513,7 +513,7 @@ def test_planning_a_resume_after_a_gap_and_many_epochs_does_not_visit_each_epoch
     src.feeder_validate(("x",), state)
     t0 = time.perf_counter()
     src.feeder_bind(SourceBinding("train", ((0,),), ("x",), True, state))
-    assert time.perf_counter() - t0 < 0.05
+    assert time.perf_counter() - t0 < 0.2  # ~1 ms; visiting each epoch took seconds (8 s on a loaded 2-core box)
     x, keys = src(0, 8)
     assert keys.tolist() == list(range(*gap))
     x, keys = src(0, 8)
