@@ -8,9 +8,10 @@ may have these optional methods; the coordinator calls them:
   starts. ``binding`` is a :class:`SourceBinding`: which worker ids call the object (per
   registration), the inputs, the order, the state to resume from and the multiprocessing
   context of the worker processes that call it (None: threads only). Worker processes receive
-  the object pickled *after* it was bound, so a bound source shards by the ``worker_id`` each
-  call gets, in whatever process that call runs, and what it made at bind from that context
-  (a ``Value``, a ``Lock``) is shared by them all.
+  the object pickled *after* it was bound, with what it made at bind from that context (a
+  ``Value``, a ``Lock``), which they then share: so a bound source can shard by the
+  ``worker_id`` each call gets (an ordered one must) or deal from a counter every worker
+  shares, in whatever process a call runs.
 * ``feeder_release()``: in ``stop()`` / ``stop_coordinator(name)`` once the source's threads were
   signalled: close files, drop iterators.
 * ``feeder_describe() -> str``: a short phrase for FeedTimeout and diagnose messages.
