@@ -120,8 +120,12 @@ def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
 
 def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
     """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile.
-    Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers)."""
-    put = source.put(chunk, SLICE_S)
+    Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers).
+
+    The first try does not wait, so the blocked clock starts at the first moment the chunk does
+    not fit: a model-bound feed's puts wait a few milliseconds each, and all of it is blocked time
+    (``diagnose()`` rests on it). The fast path costs one clock read, as the timed try did."""
+    put = source.put(chunk, 0.0)
     if put is True:
         state.rows_put += chunk.rows
         return True

@@ -6,6 +6,7 @@ loop), run for real; then the advice branches of the pure verdict on figures mad
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from feeder.diagnosis import StageTimes, verdict
 
 pytest.importorskip("onnxruntime")
 from models import linear_model, session  # noqa: E402
+from utils import Const, workers  # noqa: E402
 
 
 class SlowModel:
@@ -140,3 +142,29 @@ def test_spinning_intra_op_threads_are_named_when_fetchers_need_cpu():
     assert "intra_op_num_threads=1" in text
     assert "intra_op_num_threads" not in verdict(times(workers=1, fetch_s=9.5, fetch_wall_s=10.0,
                                                        fetch_cpu_s=9.0, fetch_cpu_wall_s=10.0))
+
+
+def _blocked_share(text):
+    found = re.search(r"blocked on a full queue (\d+)%", text)
+    assert found, text
+    return int(found[1]) / 100
+
+
+def test_short_waits_on_a_full_queue_are_counted_as_blocked(coord, mode):
+    """A model taking 15 ms a batch keeps the queue full, and each put waits about that long: all
+    of it is time blocked. (Counting began only after a first 50 ms slice, so every wait shorter
+    than that was lost: "blocked 0%" where a sampler found the fetchers in put() all the time.)"""
+    fetch = Const([np.ones((8, 4), np.float32)])  # a whole batch a call: each put takes one slot
+    feeder.init_data_input_workers(SlowModel(0.015), None, fetch, 8, coordinator=coord, timeout=30,
+                                   max_buffered_batches=2, **workers(mode, 1))
+    coord.start()
+    feed = coord.feed("train")
+    feed.run()  # started (worker processes take a while): the clock below runs from here
+    m0 = feed.metrics()
+    run_for(feed, 1.5, feed.run)
+    m = feed.metrics()
+    blocked, wall = (m[k] - m0[k] for k in ("fetch_blocked_s", "fetch_wall_s"))
+    assert blocked > 0.7 * wall, (blocked, wall)
+    text = feed.diagnose()
+    assert text.startswith("Model-bound"), text
+    assert _blocked_share(text) >= 0.5, text
