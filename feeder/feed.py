@@ -136,6 +136,7 @@ class Feed(FeedReports):
         self._batches_made = 0
         self._meter = RateMeter()
         self._next_report = 0.0
+        self._frozen_at = 0.0  # when the feed stopped or handed out its end of data: figures freeze there
 
     # ---- public attributes -----------------------------------------------------------
     @property
@@ -177,6 +178,7 @@ class Feed(FeedReports):
     def _signal_stop(self, deadline: Optional[float] = None) -> None:
         """Signal every thread (and worker process) to stop; ``deadline`` (monotonic s) bounds the
         whole stop, which worker processes need to know (polite, then terminate, then kill)."""
+        self._frozen_at = self._frozen_at or time.monotonic()
         self._stopped = True
         self._stop.set()
         self._fetchers.signal_stop(deadline)
@@ -328,6 +330,7 @@ class Feed(FeedReports):
         if item is None:
             item = self._wait_ready(start, start + timeout)
         if item is _END_OF_DATA:
+            self._frozen_at = self._frozen_at or time.monotonic()
             self._ended = True
             self._check_ledger("end of data")
             if self.source.feed_reached_end():

@@ -1,6 +1,8 @@
 """num_worker_threads="auto": feeder finds how many fetchers raise throughput (issue 14)."""
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 
@@ -89,6 +91,20 @@ def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     late = seen[len(seen) // 2:]
     assert sum(late) / len(late) < 3.0, feed._tuner.decisions
     assert max(seen) <= 4, feed._tuner.decisions
+
+
+def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(coord):
+    """Parked fetchers are no fetchers: with all 8 ids in the wall time and the CPU share
+    multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine and the advice
+    flipped between I/O and CPU-bound. It must be what 2 fixed threads get: the GIL, use processes."""
+    feed, _ = run_auto(coord, gil_bound_fetch, 3.0)
+    text = feed.diagnose()
+    cores = float(re.search(r"([\d.]+) CPU cores in all", text)[1])
+    assert cores <= (os.cpu_count() or 1), text
+    assert "holds the GIL" in text and "num_worker_processes=" in text, text
+    t = feed.stage_times()
+    assert 2 <= t.workers < 8 and t.auto, t  # the tuner tried a second one; the rest never ran
+    assert t.fetch_wall_s < 0.9 * t.workers * t.elapsed_s, t  # parked time is not running time
 
 
 def test_auto_gives_back_fetchers_that_make_the_fetch_slower(coord):
