@@ -19,7 +19,7 @@ from feeder.diagnosis import StageTimes, verdict
 
 pytest.importorskip("onnxruntime")
 from models import linear_model, session  # noqa: E402
-from utils import Const, workers  # noqa: E402
+from utils import Const, Sharded, workers  # noqa: E402
 
 
 class SlowModel:
@@ -168,3 +168,22 @@ def test_short_waits_on_a_full_queue_are_counted_as_blocked(coord, mode):
     text = feed.diagnose()
     assert text.startswith("Model-bound"), text
     assert _blocked_share(text) >= 0.5, text
+
+
+def test_figures_freeze_when_the_feed_stops_or_its_data_ends(coord):
+    """diagnose() and metrics() after stop() kept counting time, so their rates decayed (7,551
+    rows/s at stop, 2,519 two seconds later)."""
+    feeder.init_data_input_workers(None, ["x"], fast_fetch, 8, num_worker_threads=1, coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(None, ["id", "x"], Sharded(64, 1, sizes=(8,)), 8, num_worker_threads=1,
+                                   input_source_name="finite", coordinator=coord, timeout=10)
+    coord.start()
+    feed, finite = coord.feed("train"), coord.feed("finite")
+    run_for(feed, 0.3, feed.next_batch)
+    assert sum(1 for _ in finite) == 8  # to its end of data
+    ended = (finite.diagnose(), finite.metrics())
+    coord.stop()
+    stopped = (feed.diagnose(), feed.metrics())
+    threading.Event().wait(0.3)
+    assert (feed.diagnose(), feed.metrics()) == stopped
+    assert (finite.diagnose(), finite.metrics()) == ended
+    assert stopped[1]["inputs_per_sec"] > 0 and stopped[1]["uptime_s"] > 0.3
