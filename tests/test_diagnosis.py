@@ -126,6 +126,17 @@ def test_threads_sharing_one_core_are_told_to_use_processes():
     assert "holds the GIL" in text and "num_worker_processes=2" in text
 
 
+def test_auto_figures_are_those_of_the_fetchers_that_ran():
+    """num_worker_threads="auto" with a GIL-bound fetch: 3 of 8 fetchers ran, one all along and
+    the others during probes (1.2 at a time on average), each using 80% of a core while running.
+    That is about one core in all and the advice 2 fixed threads get, not 3 cores or more threads."""
+    text = verdict(times(workers=3, auto=True, fetch_longest_s=10.0, fetch_wall_s=12.0, fetch_s=11.5,
+                         fetch_cpu_s=9.6, fetch_cpu_wall_s=12.0))
+    assert "0.96 CPU cores in all" in text and "1.2 running at a time on average, auto" in text, text
+    assert "holds the GIL" in text and "num_worker_processes=3" in text, text
+    assert "holds the GIL" in verdict(times())  # 2 fixed threads, 1.0 core in all
+
+
 def test_cpu_bound_processes_are_told_to_add_processes():
     text = verdict(times(mode="processes", fetch_cpu_s=19.0))
     assert "CPU-bound" in text and "worker processes" in text
