@@ -330,6 +330,7 @@ class Feed(FeedReports):
         if item is None:
             item = self._wait_ready(start, start + timeout)
         if item is _END_OF_DATA:
+            self.counters.wait_ended()
             self._frozen_at = self._frozen_at or time.monotonic()
             self._ended = True
             self._check_ledger("end of data")
@@ -346,6 +347,8 @@ class Feed(FeedReports):
         """Wait in short slices for the next item of the ready queue, or raise."""
         with self._waiting_lock:
             self._waiting += 1
+        self.counters.wait_began(start)  # the tuner sees this wait while it lasts
+        got = False
         try:
             # A producer held back by max_buffered_bytes may be what this consumer waits for.
             self.source.notify_room()
@@ -359,6 +362,7 @@ class Feed(FeedReports):
                 remaining = deadline - time.monotonic()
                 item = self._ready.get(max(0.0, min(SLICE_S, remaining)))
                 if item is not None:
+                    got = True  # the wait ends when the caller counts the batch (counters.took)
                     return item
                 now = time.monotonic()
                 if now >= deadline:
@@ -369,6 +373,8 @@ class Feed(FeedReports):
                     log.warning("source %r: consumer has waited %.0f s for a batch: data input is slow (%s)",
                                 self.input_source_name, now - start, self._status_line())
         finally:
+            if not got:
+                self.counters.wait_ended()
             with self._waiting_lock:
                 self._waiting -= 1
 

@@ -178,8 +178,8 @@ class FeedReports:
         tuner = self._tuner
         if tuner is None or not self._started or self._stopped or self._ended:
             return
-        c = self.counters
-        new = tuner.observe(now, c.rows, c.wait_s)
+        rows, batches, wait_s = self.counters.so_far(now)  # with the waits still going on
+        new = tuner.observe(now, rows, wait_s, batches)
         if new is not None and self._throttle is not None:
             self._throttle.set_limit(new)
             log.debug("source %r: %d fetchers run now (%s)", self.input_source_name, new,

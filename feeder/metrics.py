@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 log = logging.getLogger("feeder")
 
@@ -21,7 +21,7 @@ class ConsumerCounters:
     take a lock (Caffe2's unlocked ``+=`` lost counts); the fields are plain attributes so that
     the per-batch update is cheap."""
 
-    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s", "run_s", "between_s", "_last_end")
+    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s", "run_s", "between_s", "_last_end", "_waits")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -30,10 +30,32 @@ class ConsumerCounters:
         # between the end of one call and the start of the next (see feeder.diagnosis).
         self.wait_s = self.run_s = self.between_s = 0.0
         self._last_end = 0.0
+        # Waits going on now: consumer thread id -> when its wait began (monotonic s). wait_s
+        # counts a wait when it ends; the tuner must see one that lasts longer than its window.
+        self._waits: Dict[int, float] = {}
+
+    def wait_began(self, start: float) -> None:
+        """The calling consumer thread has been waiting for a batch since ``start``; the wait is
+        over at its next ``took``, ``waited`` or ``wait_ended``."""
+        with self._lock:
+            self._waits[threading.get_ident()] = start
+
+    def wait_ended(self) -> None:
+        """The calling thread's wait ended without a batch nor a timeout (end of data, stop)."""
+        with self._lock:
+            self._waits.pop(threading.get_ident(), None)
+
+    def so_far(self, now: float) -> Tuple[float, float, float]:
+        """(rows, batches, seconds waited) up to ``now``, waits still going on included."""
+        with self._lock:
+            ongoing = sum(max(0.0, now - since) for since in self._waits.values())
+            return float(self.rows), float(self.batches), self.wait_s + ongoing
 
     def took(self, rows: int, nbytes: int, wait_s: float, start: float, now: float) -> None:
         """A consumer call that started at ``start`` took a batch at ``now`` (monotonic seconds)."""
         with self._lock:
+            if self._waits:
+                self._waits.pop(threading.get_ident(), None)  # counted in wait_s from now on
             self.batches += 1
             self.rows += rows
             self.bytes += nbytes
@@ -48,7 +70,9 @@ class ConsumerCounters:
             self._last_end = now
 
     def waited(self, wait_s: float) -> None:
+        """The calling thread waited ``wait_s`` seconds and got no batch (a timeout)."""
         with self._lock:
+            self._waits.pop(threading.get_ident(), None)
             self.wait_s += wait_s
 
     def snapshot(self) -> Dict[str, float]:

