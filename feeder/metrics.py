@@ -122,23 +122,35 @@ def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], 
 
 
 class Monitor:
-    """One daemon thread per coordinator that runs the feeds' throughput reports.
+    """Two daemon threads per coordinator: one runs the feeds' throughput reports, the other
+    ticks their tuners (``num_worker_threads="auto"``).
 
-    It runs apart from the enqueuers so that a slow external logger delays only reports,
-    never data. Final reports (at stop) are queued to it too, so a logger that hangs makes
-    the monitor a straggler of ``stop()`` instead of hanging ``stop()`` itself.
+    Reports run apart from the enqueuers so that a slow external logger delays only reports,
+    never data, and apart from the tuners' tick, which no report may hold up (a logger taking
+    seconds per call froze "auto" at one fetcher). The tick runs only feeder's own code. Final
+    reports (at stop) are queued to the report thread too, so a logger that hangs makes it a
+    straggler of ``stop()`` instead of hanging ``stop()`` itself.
     """
 
-    def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1):
+    def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1,
+                 tune: Optional[Callable[[float], None]] = None, tuner_name: str = "feeder:tuner"):
         self._due = due_reports
         self._tick = tick
+        self._tune = tune
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._finals: Deque[Callable[[], None]] = deque()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.tuner_thread = (threading.Thread(target=self._tune_loop, name=tuner_name, daemon=True)
+                             if tune is not None else None)
 
     def start(self) -> None:
         self.thread.start()
+        if self.tuner_thread is not None:
+            self.tuner_thread.start()
+
+    def threads(self) -> List[threading.Thread]:
+        return [t for t in (self.thread, self.tuner_thread) if t is not None]
 
     def final(self, reports: Iterable[Callable[[], None]]) -> threading.Event:
         """Run these reports soon, before anything else; the event is set once they have run."""
@@ -157,6 +169,15 @@ class Monitor:
             report()
         except BaseException:  # noqa: B902 - nothing a report raises may kill the monitor
             log.exception("feeder throughput report failed")
+
+    def _tune_loop(self) -> None:
+        tune = self._tune
+        assert tune is not None
+        while not self._stop.wait(self._tick):
+            try:
+                tune(time.monotonic())
+            except BaseException:  # noqa: B902 - nothing may end the tuners' tick
+                log.exception("feeder tuner tick failed")
 
     def _loop(self) -> None:
         while True:
