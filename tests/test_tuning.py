@@ -1,6 +1,7 @@
 """num_worker_threads="auto": feeder finds how many fetchers raise throughput (issue 14)."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -8,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from utils import random_probe, until
 
 import feeder
 from feeder.tuning import COOLDOWN, WINDOW_S, Throttle, Tuner
@@ -185,6 +187,24 @@ def test_fixed_counts_keep_their_meaning_and_report_active_workers(coord):
     feed = coord.feed("train")
     feed.next_batch(timeout=10)
     assert feed.metrics()["active_workers"] == 3 and feed._tuner is None
+
+
+def test_a_fixed_number_of_processes_all_run_whatever_num_worker_threads_says(coord, caplog):
+    """num_worker_threads="auto" beside num_worker_processes=2 made the tuner park one of the two
+    processes: "auto" was taken from the thread argument, which process mode ignores."""
+    with caplog.at_level(logging.WARNING, logger="feeder"):
+        feeder.init_data_input_workers(None, ["x"], random_probe, 4, num_worker_threads="auto",
+                                       num_worker_processes=2, coordinator=coord, timeout=20)
+    coord.start()
+    feed = coord.feed("train")
+    assert feed._tuner is None and len(feed.worker_ids) == 2
+    seen = set()
+    for _ in until(20.0):
+        seen.update(feed.next_batch()["x"][:, 0].astype(int).tolist())
+        if seen == set(feed.worker_ids):
+            break
+    assert seen == set(feed.worker_ids) and feed.metrics()["active_workers"] == 2
+    assert any("num_worker_threads='auto' is ignored" in r.getMessage() for r in caplog.records)
 
 
 def test_auto_is_the_only_string_accepted(coord):
