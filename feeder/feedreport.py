@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from .diagnosis import StageTimes, verdict
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
@@ -19,6 +19,35 @@ from .sources.base import describe_source
 from .tuning import Throttle, Tuner
 
 log = logging.getLogger("feeder")
+
+# The keys of Feed.metrics(), in one place, so that what an external logger declares up front
+# (PrometheusLogger's describe()) cannot drift from what feeds report; tests check it.
+METRIC_KEYS: Tuple[str, ...] = (
+    "inputs_per_sec", "batches_per_sec", "queue_size", "queue_capacity", "ready_batches", "batch_size",
+    "batches", "rows", "chunks_fetched", "rows_fetched", "fetch_calls", "none_chunks", "empty_chunks",
+    "fetch_errors", "rows_dropped", "consumer_wait_s", "live_workers", "active_workers", "uptime_s",
+    "source_rows_fetched", "source_rows_delivered", "source_rows_dropped", "source_rows_discarded",
+    "source_rows_buffered", "source_bytes_held", "buffer_allocations", "bytes_delivered", "bytes_copied",
+    "zero_copy_batches",
+    # stage times (feeder.diagnosis)
+    "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s", "fetch_cpu_s",
+    "fetch_cpu_wall_s",
+)
+# What external loggers get: the metrics and the rate over the last interval.
+REPORT_KEYS: Tuple[str, ...] = METRIC_KEYS + ("inputs_per_sec_interval",)
+# Totals: they only grow while a feed lives (counts and stage times). The rest are values of
+# the moment (rates, queue depths, worker counts, the feed's age).
+TOTALS: FrozenSet[str] = frozenset({
+    "batches", "rows", "chunks_fetched", "rows_fetched", "fetch_calls", "none_chunks", "empty_chunks",
+    "fetch_errors", "rows_dropped", "consumer_wait_s", "source_rows_fetched", "source_rows_delivered",
+    "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
+    "zero_copy_batches", "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
+    "fetch_cpu_s", "fetch_cpu_wall_s",
+})
+# Figures of the source as a whole (its queue and ledger): every replica of a source reports the same.
+SOURCE_KEYS: FrozenSet[str] = frozenset(
+    [k for k in METRIC_KEYS if k.startswith("source_")]
+    + ["queue_size", "queue_capacity", "live_workers", "batch_size", "uptime_s"])
 
 
 class FeedReports:
