@@ -96,10 +96,11 @@ def init_data_input_workers(
     continue after the rows that state says were delivered (see ``feeder.sources``).
 
     ``num_worker_processes=N`` (> 0, or ``"auto"``) runs ``fetch_fun`` in N worker processes
-    instead of threads, whatever ``num_worker_threads`` says (a value other than the default
-    is logged as ignored); only ``num_worker_processes="auto"`` tunes their number (started with ``mp_context``: default "forkserver", else "spawn"); each
+    instead of threads (started with ``mp_context``: default "forkserver", else "spawn"); each
     runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
     worker_id)``. Chunks come back through shared memory (see README, "Worker processes").
+    ``num_worker_threads`` is then ignored (a value other than the default is logged as such):
+    only ``num_worker_processes="auto"`` lets the tuner choose how many processes run.
 
     Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
     arguments raise TypeError or ValueError here, naming the argument.
