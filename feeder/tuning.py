@@ -73,9 +73,9 @@ class Tuner:
         A window is at least ``window_s`` long and, when ``batches`` is given, holds at least
         MIN_BATCHES of them and one per fetcher running (the first window, which only has to
         exclude the start, one): a window with fewer is no evidence yet and goes on, up to
-        MAX_WINDOW_S, past which only consumers that waited through it (starved: that is
-        evidence) make it count. A window in which consumers neither took a batch nor waited
-        (they were busy elsewhere) starts afresh."""
+        MAX_WINDOW_S; then it counts if it holds MIN_BATCHES, or if consumers waited through it
+        (starved: that is evidence too). A window in which consumers neither took a batch nor
+        waited (they were busy elsewhere) starts afresh."""
         if self._t0 is None:
             self._restart(now, rows, wait_s, batches)
             return None
@@ -84,12 +84,12 @@ class Tuner:
             return None
         rate = (rows - self._rows0) / dt
         waiting = (wait_s - self._wait0) / dt
-        need = 1 if self._first else max(MIN_BATCHES, self.current)
-        if batches is not None and batches - self._batches0 < need:
+        least = 1 if self._first else MIN_BATCHES
+        if batches is not None and batches - self._batches0 < max(least, self.current):
             idle = rows == self._rows0 and waiting <= 0.0
             if not idle and dt < MAX_WINDOW_S:
                 return None  # too little data yet: the window goes on
-            if idle or waiting < 1.0 - WAITING:
+            if idle or (batches - self._batches0 < least and waiting < 1.0 - WAITING):
                 self._restart(now, rows, wait_s, batches)
                 return None  # no evidence: start afresh
         self._restart(now, rows, wait_s, batches)

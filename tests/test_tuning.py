@@ -343,3 +343,17 @@ def test_windows_without_enough_batches_are_no_evidence():
     for i in range(1, 200):  # 20 s of a consumer busy elsewhere: nothing taken, nothing waited
         assert tuner.observe(i * 0.1, 0.0, 0.0, 0.0) is None
     assert tuner.current == 2 and not tuner.decisions
+
+
+def test_a_slow_consumer_still_gives_fetchers_back():
+    """A consumer taking a batch every 2 s never waits: windows cannot hold one batch per fetcher
+    (8), so after 10 s a window with two batches is evidence enough to try fewer."""
+    tuner = Tuner(8, start=8)
+    t = rows = batches = 0.0
+    tuner.observe(t, rows, 0.0, batches)
+    for i in range(1, 1200):  # 120 s
+        t += 0.1
+        if i % 20 == 0:
+            rows, batches = rows + 64, batches + 1
+        tuner.observe(t, rows, 0.0, batches)
+    assert tuner.active < 8, tuner.decisions
