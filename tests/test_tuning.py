@@ -97,7 +97,8 @@ def test_a_slow_external_logger_does_not_hold_up_the_tuner(coord):
     try:
         feed, seen = run_auto(coord, sleeping_fetch, 4.0, external_loggers=[slow], log_interval=0.05)
         assert slow.calls >= 1  # the logger was in its call all along
-        assert max(seen) >= 4, feed._tuner.decisions
+        # Frozen, the tuner never leaves 1 here; free, it reaches 5 or more in 4 s on a quiet machine.
+        assert max(seen) >= 3, feed._tuner.decisions
     finally:
         slow.release.set()  # stop()'s final report must not wait 5 s either
 
