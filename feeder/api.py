@@ -99,6 +99,8 @@ def init_data_input_workers(
     instead of threads (started with ``mp_context``: default "forkserver", else "spawn"); each
     runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
     worker_id)``. Chunks come back through shared memory (see README, "Worker processes").
+    ``num_worker_threads`` is then ignored (a value other than the default is logged as such):
+    only ``num_worker_processes="auto"`` lets the tuner choose how many processes run.
 
     Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
     arguments raise TypeError or ValueError here, naming the argument.
@@ -112,14 +114,21 @@ def init_data_input_workers(
         raise TypeError(f"init_fun must be callable or None, got {type(init_fun).__name__}")
     if not isinstance(input_source_name, str) or not input_source_name:
         raise TypeError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
-    auto = num_worker_threads == "auto"
-    num_worker_threads = AUTO_MAX_THREADS if auto else _int("num_worker_threads", num_worker_threads, 1)
+    threads_given = num_worker_threads
+    threads_auto = num_worker_threads == "auto"
+    num_worker_threads = AUTO_MAX_THREADS if threads_auto else _int("num_worker_threads", num_worker_threads, 1)
     processes = None
-    num_workers = num_worker_threads
+    # In process mode num_worker_processes alone says how many fetchers run and whether "auto"
+    # chooses: num_worker_threads="auto" beside num_worker_processes=2 must not park one of two.
     if num_worker_processes == "auto":
         num_workers, auto = AUTO_MAX_PROCESSES, True
     else:
-        num_workers = _int("num_worker_processes", num_worker_processes, 0) or num_worker_threads
+        num_workers = _int("num_worker_processes", num_worker_processes, 0)
+        auto = threads_auto and not num_workers
+        num_workers = num_workers or num_worker_threads
+    if num_worker_processes != 0 and threads_given != 2:  # 2: the default, said or not
+        log.warning("source %r: num_worker_threads=%r is ignored: fetch_fun runs in worker processes "
+                    "(num_worker_processes=%r)", input_source_name, threads_given, num_worker_processes)
     if num_worker_processes != 0:
         if getattr(fetch_fun, "feeder_threads_only", False):
             raise TypeError(f"fetch_fun {type(fetch_fun).__name__} runs in fetcher threads only: use "

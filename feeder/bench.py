@@ -62,46 +62,124 @@ class Result:
 
 
 # ---- loading the fetch function ----------------------------------------------------------------
+PRIVATE_PREFIX = "_feeder_bench_"  # module name of a file whose own name another module has
+
+
 def load_fetch(spec: str) -> FetchFun:
     """``MODULE:FUN`` -> the function. MODULE is a dotted module name (imported with the current
-    directory on ``sys.path``) or a path to a ``.py`` file (imported under its file name, with its
-    folder on ``sys.path`` so that worker processes can import it too)."""
+    directory on ``sys.path``) or a path to a ``.py`` file, imported under its file name with its
+    folder on ``sys.path`` so that worker processes can import it too. A file whose name another
+    module has (``json.py``) is run under a private module name, which worker processes cannot
+    import: what it defines is then handed on as a :class:`FileFetch`, which they can."""
     module_part, sep, fun_part = spec.rpartition(":")
     if not sep or not module_part or not fun_part:
         raise ValueError(f"expected MODULE:FETCH_FUN, got {spec!r}")
+    private = False
     if module_part.endswith(".py") or os.sep in module_part or os.path.isfile(module_part):
         path = os.path.abspath(module_part)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such file: {module_part}")
         folder, name = os.path.split(path)
         name = os.path.splitext(name)[0]
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
         loaded = sys.modules.get(name)
-        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+        if loaded is not None and _file_of(loaded) == path:
             module = loaded
-        elif loaded is None:
+        elif loaded is None and not _taken(name, path):
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module = importlib.import_module(name)
-        else:  # a different module already has that name: load the file under a private name
-            file_spec = importlib.util.spec_from_file_location(f"_feeder_bench_{name}", path)
-            assert file_spec is not None and file_spec.loader is not None
-            module = importlib.util.module_from_spec(file_spec)
-            sys.modules[file_spec.name] = module
-            file_spec.loader.exec_module(module)
+        else:  # another module has that name: load the file under a private one, shadowing nothing
+            module = _load_file(path, PRIVATE_PREFIX + name)
+            private = True
     else:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())
         module = importlib.import_module(module_part)
-    fun: Any = module
-    for attr in fun_part.split("."):
-        try:
-            fun = getattr(fun, attr)
-        except AttributeError:
-            raise AttributeError(f"module {module.__name__!r} has no {fun_part!r}") from None
+    fun = _attribute(module, fun_part)
     if not callable(fun):
         raise TypeError(f"{spec} is not callable (got {type(fun).__name__})")
+    # Defined in the privately named module (a function, or an instance of a class of it): a
+    # worker process could not unpickle it, so it travels as the file and the attribute's name.
+    if private and module.__name__ in (getattr(fun, "__module__", None), type(fun).__module__):
+        return FileFetch(path, module.__name__, fun_part, fun)
     result: FetchFun = fun
     return result
+
+
+class FileFetch:
+    """A fetch function defined in a ``.py`` file that runs under a private module name (see
+    :func:`load_fetch`). Called, it calls that function. Pickled (for worker processes), it is
+    the file's path and the attribute's name, and the worker process runs the file (under the
+    same private name) at its first call: module-level code runs there again, and an object's
+    state is what that code makes, as with a module imported by name."""
+
+    def __init__(self, path: str, module_name: str, attr: str, fun: Optional[FetchFun] = None):
+        self.path, self.module_name, self.attr = path, module_name, attr
+        self._fun = fun
+
+    def __call__(self, worker_id: int, batch_size: int) -> Any:
+        fun = self._fun
+        if fun is None:
+            fun = self._fun = _attribute(_load_file(self.path, self.module_name), self.attr)
+        return fun(worker_id, batch_size)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"path": self.path, "module_name": self.module_name, "attr": self.attr}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.path, self.module_name, self.attr = state["path"], state["module_name"], state["attr"]
+        self._fun = None
+
+    def __repr__(self) -> str:
+        return f"FileFetch({self.path}:{self.attr})"
+
+
+def _file_of(module: Any) -> str:
+    return os.path.abspath(getattr(module, "__file__", "") or "")
+
+
+def _taken(name: str, path: str) -> bool:
+    """Whether importing ``name`` would find another module than the file at ``path`` (a
+    standard or installed one), or cannot name a module at all."""
+    if not name.isidentifier():
+        return True
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return found is not None and os.path.abspath(found.origin or "") != path
+
+
+def _load_file(path: str, module_name: str) -> Any:
+    """Run the file at ``path`` as module ``module_name`` (once per process). Its folder goes at
+    the end of ``sys.path``, for the file's own imports of its neighbours, shadowing nothing."""
+    module = sys.modules.get(module_name)
+    if module is not None and _file_of(module) == path:
+        return module
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    file_spec = importlib.util.spec_from_file_location(module_name, path)
+    if file_spec is None or file_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[module_name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
+
+
+def _attribute(module: Any, dotted: str) -> Any:
+    obj = module
+    for attr in dotted.split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise AttributeError(f"module {module.__name__!r} has no {dotted!r}") from None
+    return obj
 
 
 # ---- chunks --------------------------------------------------------------------------------------

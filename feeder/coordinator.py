@@ -123,7 +123,7 @@ class GlobalCoordinator:
             for feed in pending:
                 feed._start_threads()
             if self._monitor is None and self._feeds:
-                self._monitor = Monitor("feeder:monitor", self._due_reports)
+                self._monitor = Monitor("feeder:monitor", self._due_reports, tune=self._tune_feeds)
                 self._monitor.start()
             if self._atexit is None:
                 ref = weakref.ref(self)
@@ -149,9 +149,14 @@ class GlobalCoordinator:
     def _due_reports(self, now: float) -> List[Callable[[], None]]:
         with self._lock:
             feeds = list(self._feeds)
-        for f in feeds:  # the monitor's tick also drives num_worker_threads="auto"
-            f._tune(now)
         return [f._report for f in feeds if f._due_report(now)]
+
+    def _tune_feeds(self, now: float) -> None:
+        """The tuners' tick (num_worker_threads="auto"), on the monitor's tuner thread."""
+        with self._lock:
+            feeds = list(self._feeds)
+        for f in feeds:
+            f._tune(now)
 
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Stop and remove every feed and queue. True if every thread ended within ``timeout``
@@ -208,9 +213,8 @@ class GlobalCoordinator:
                             "external logger?)", sorted({f.input_source_name for f in feeds}))
             if stop_monitor:
                 monitor.stop()
-                join_all([monitor.thread], max(deadline, time.monotonic() + MONITOR_JOIN_S))
-                if monitor.thread.is_alive():
-                    stragglers.append(monitor.thread)
+                join_all(monitor.threads(), max(deadline, time.monotonic() + MONITOR_JOIN_S))
+                stragglers += [t for t in monitor.threads() if t.is_alive()]
         if stragglers:
             details = [d for f in feeds for d in f.describe_workers()]
             log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",

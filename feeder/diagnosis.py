@@ -40,16 +40,26 @@ class StageTimes:
     consumer_wait_s: float         # consumers waiting for a batch
     consumer_run_s: float          # consumers inside run() (the session)
     consumer_between_s: float      # consumers' own code between two calls
-    workers: int                   # fetchers (threads or processes) that ran
+    workers: int                   # fetchers (threads or processes) that ran (not parked all along)
     mode: str                      # "threads" or "processes"
     fetch_s: float                 # fetchers inside fetch_fun
     fetch_blocked_s: float         # fetchers waiting for room in the source
-    fetch_wall_s: float            # fetchers' lifetimes, summed
+    fetch_wall_s: float            # fetchers' running times (lifetimes less time parked), summed
     fetch_cpu_s: float             # fetchers' CPU time (sampled), ...
-    fetch_cpu_wall_s: float        # ... over this much of their lifetimes
+    fetch_cpu_wall_s: float        # ... over this much of their running times
     rows_fetched: float
     queue_capacity: float          # chunks
     intra_op_threads: Optional[int] = None  # the session's intra-op threads; 0: ORT's default (all cores)
+    fetch_longest_s: float = 0.0   # the longest running time of one fetcher; 0: all ran all along
+    auto: bool = False             # num_worker_threads="auto" chose how many ran
+
+
+def running_at_once(t: StageTimes) -> float:
+    """How many fetchers ran at a time, on average: their running times over the longest one's
+    (``workers`` when all ran all along; less when "auto" parked some, or some ended early)."""
+    if t.fetch_longest_s > 0:
+        return min(float(t.workers), t.fetch_wall_s / t.fetch_longest_s)
+    return float(t.workers)
 
 
 def _pct(part: float, whole: float) -> str:
@@ -62,8 +72,11 @@ def verdict(t: StageTimes) -> str:
     rate = t.rows / t.elapsed_s if t.elapsed_s > 0 else 0.0
     busy = t.fetch_s / t.fetch_wall_s if t.fetch_wall_s > 0 else 0.0           # per fetcher, in fetch_fun
     blocked = t.fetch_blocked_s / t.fetch_wall_s if t.fetch_wall_s > 0 else 0.0
-    cores = t.fetch_cpu_s / t.fetch_cpu_wall_s * t.workers if t.fetch_cpu_wall_s > 0 else 0.0  # in all
-    per_fetcher_cpu = cores / t.workers if t.workers else 0.0
+    # Shares of a core while running, times how many ran at once: a fetcher parked by "auto"
+    # neither adds a core nor dilutes the share of those that ran.
+    per_fetcher_cpu = t.fetch_cpu_s / t.fetch_cpu_wall_s if t.fetch_cpu_wall_s > 0 else 0.0
+    running = running_at_once(t)
+    cores = per_fetcher_cpu * running  # in all
     fetched = t.rows_fetched / t.elapsed_s if t.elapsed_s > 0 else 0.0
     out: List[str] = []
 
@@ -92,8 +105,11 @@ def verdict(t: StageTimes) -> str:
                f"consumer: waiting {t.consumer_wait_s:.2f} s, in run() {t.consumer_run_s:.2f} s, "
                f"between calls {t.consumer_between_s:.2f} s")
     if t.workers:
-        figures += (f"; {t.workers} fetcher {t.mode}: in fetch_fun {_pct(busy, 1)} of their time, blocked on a "
-                    f"full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
+        at_once = ""
+        if t.auto or running < t.workers - 0.25:
+            at_once = f" ({running:.1f} running at a time on average{', auto' if t.auto else ''})"
+        figures += (f"; {t.workers} fetcher {t.mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time, "
+                    f"blocked on a full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
                     f"{fetched:,.0f} rows/s")
     out.append(figures + f"; queue of {t.queue_capacity:.0f} chunks.")
     return " ".join(out)
@@ -107,8 +123,7 @@ def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_
         advice.append(f"Yet the fetchers were blocked on a full queue {_pct(blocked, 1)} of their time: the "
                       f"queue does not absorb bursts, so raise max_buffered_batches (now {t.queue_capacity:.0f}), "
                       f"or the rebatching thread is the bottleneck (fewer, larger chunks help).")
-    elif t.mode == "threads" and t.workers >= 2 and per_fetcher_cpu >= CPU_BOUND / t.workers and cores <= GIL_CORES \
-            and busy >= 0.5:
+    elif t.mode == "threads" and t.workers >= 2 and cores >= CPU_BOUND and cores <= GIL_CORES and busy >= 0.5:
         advice.append(f"The {t.workers} fetcher threads used {cores:.2f} CPU cores in all: Python fetch code holds "
                       f"the GIL, so threads take turns. Use worker processes (num_worker_processes="
                       f"{max(2, t.workers)}), or make fetch_fun spend its time in numpy or I/O.")
@@ -129,8 +144,7 @@ def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_
         advice.append(f"The fetchers spent {_pct(busy, 1)} of their time in fetch_fun but used only "
                       f"{per_fetcher_cpu:.0%} of a core each: they wait on I/O or sleeps, so more worker threads "
                       f"help (num_worker_threads={2 * t.workers}).")
-    if per_fetcher_cpu >= CPU_BOUND / max(1, t.workers) and t.intra_op_threads is not None \
-            and t.intra_op_threads != 1:
+    if cores >= CPU_BOUND and t.intra_op_threads is not None and t.intra_op_threads != 1:
         advice.append("The session runs several intra-op threads, whose spinning takes the CPU the fetchers "
                       "need: create it with intra_op_num_threads=1 (or session.intra_op.allow_spinning=0) "
                       "and scale with replicas.")

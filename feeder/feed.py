@@ -138,6 +138,7 @@ class Feed(FeedReports):
         self._batches_made = 0
         self._meter = RateMeter()
         self._next_report = 0.0
+        self._frozen_at = 0.0  # when the feed stopped or handed out its end of data: figures freeze there
 
     # ---- public attributes -----------------------------------------------------------
     @property
@@ -184,6 +185,7 @@ class Feed(FeedReports):
     def _signal_stop(self, deadline: Optional[float] = None) -> None:
         """Signal every thread (and worker process) to stop; ``deadline`` (monotonic s) bounds the
         whole stop, which worker processes need to know (polite, then terminate, then kill)."""
+        self._frozen_at = self._frozen_at or time.monotonic()
         self._stopped = True
         self._stop.set()
         self._fetchers.signal_stop(deadline)
@@ -335,6 +337,8 @@ class Feed(FeedReports):
         if item is None:
             item = self._wait_ready(start, start + timeout)
         if item is _END_OF_DATA:
+            self.counters.wait_ended()
+            self._frozen_at = self._frozen_at or time.monotonic()
             self._ended = True
             self._check_ledger("end of data")
             if self.source.feed_reached_end():
@@ -350,6 +354,8 @@ class Feed(FeedReports):
         """Wait in short slices for the next item of the ready queue, or raise."""
         with self._waiting_lock:
             self._waiting += 1
+        self.counters.wait_began(start)  # the tuner sees this wait while it lasts
+        got = False
         try:
             # A producer held back by max_buffered_bytes may be what this consumer waits for.
             self.source.notify_room()
@@ -363,6 +369,7 @@ class Feed(FeedReports):
                 remaining = deadline - time.monotonic()
                 item = self._ready.get(max(0.0, min(SLICE_S, remaining)))
                 if item is not None:
+                    got = True  # the wait ends when the caller counts the batch (counters.took)
                     return item
                 now = time.monotonic()
                 if now >= deadline:
@@ -373,6 +380,8 @@ class Feed(FeedReports):
                     log.warning("source %r: consumer has waited %.0f s for a batch: data input is slow (%s)",
                                 self.input_source_name, now - start, self._status_line())
         finally:
+            if not got:
+                self.counters.wait_ended()
             with self._waiting_lock:
                 self._waiting -= 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from .diagnosis import StageTimes, verdict
 from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
@@ -19,6 +19,35 @@ from .sources.base import describe_source
 from .tuning import Throttle, Tuner
 
 log = logging.getLogger("feeder")
+
+# The keys of Feed.metrics(), in one place, so that what an external logger declares up front
+# (PrometheusLogger's describe()) cannot drift from what feeds report; tests check it.
+METRIC_KEYS: Tuple[str, ...] = (
+    "inputs_per_sec", "batches_per_sec", "queue_size", "queue_capacity", "ready_batches", "batch_size",
+    "batches", "rows", "chunks_fetched", "rows_fetched", "fetch_calls", "none_chunks", "empty_chunks",
+    "fetch_errors", "rows_dropped", "consumer_wait_s", "live_workers", "active_workers", "uptime_s",
+    "source_rows_fetched", "source_rows_delivered", "source_rows_dropped", "source_rows_discarded",
+    "source_rows_buffered", "source_bytes_held", "buffer_allocations", "bytes_delivered", "bytes_copied",
+    "zero_copy_batches",
+    # stage times (feeder.diagnosis)
+    "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s", "fetch_cpu_s",
+    "fetch_cpu_wall_s",
+)
+# What external loggers get: the metrics and the rate over the last interval.
+REPORT_KEYS: Tuple[str, ...] = METRIC_KEYS + ("inputs_per_sec_interval",)
+# Totals: they only grow while a feed lives (counts and stage times). The rest are values of
+# the moment (rates, queue depths, worker counts, the feed's age).
+TOTALS: FrozenSet[str] = frozenset({
+    "batches", "rows", "chunks_fetched", "rows_fetched", "fetch_calls", "none_chunks", "empty_chunks",
+    "fetch_errors", "rows_dropped", "consumer_wait_s", "source_rows_fetched", "source_rows_delivered",
+    "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
+    "zero_copy_batches", "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
+    "fetch_cpu_s", "fetch_cpu_wall_s",
+})
+# Figures of the source as a whole (its queue and ledger): every replica of a source reports the same.
+SOURCE_KEYS: FrozenSet[str] = frozenset(
+    [k for k in METRIC_KEYS if k.startswith("source_")]
+    + ["queue_size", "queue_capacity", "live_workers", "batch_size", "uptime_s"])
 
 
 class FeedReports:
@@ -46,6 +75,7 @@ class FeedReports:
     _ended: bool
     _rows_dropped: int
     _next_report: float
+    _frozen_at: float
 
     def _status_line(self) -> str:
         live = self.source.live_workers()
@@ -69,12 +99,19 @@ class FeedReports:
     def describe_workers(self) -> List[str]:
         return list(self._fetchers.live_descriptions())
 
+    def _now(self) -> float:
+        """The moment figures are taken at: now while the feed works; once it stopped or handed out
+        its end of data, that moment, so that rates and shares do not decay afterwards."""
+        return self._frozen_at or time.monotonic()
+
     def metrics(self) -> Dict[str, float]:
         """A snapshot of counters: rows are rows along the batch axis, times are seconds."""
+        return self._metrics(self._now())
+
+    def _metrics(self, now: float) -> Dict[str, float]:
         c = self.counters.snapshot()
         src = self.source
         ledger = src.ledger()
-        now = time.monotonic()
         m: Dict[str, float] = {
             "inputs_per_sec": self._meter.overall(c["rows"], now) if self._started else 0.0,
             "batches_per_sec": self._meter.overall(c["batches"], now) if self._started else 0.0,
@@ -115,23 +152,27 @@ class FeedReports:
         return {
             "consumer_run_s": c["run_s"], "consumer_between_s": c["between_s"],
             "fetch_s": sum(s.fetch_s for s in w), "fetch_blocked_s": sum(s.blocked_s for s in w),
-            "fetch_wall_s": sum(s.lifetime(now) for s in w), "fetch_cpu_s": sum(s.cpu_s for s in w),
+            # running time: a fetcher parked by num_worker_threads="auto" is not a fetcher at work
+            "fetch_wall_s": sum(s.running_s(now) for s in w), "fetch_cpu_s": sum(s.cpu_s for s in w),
             "fetch_cpu_wall_s": sum(s.cpu_wall_s for s in w),
         }
 
     def stage_times(self) -> StageTimes:
-        """The stage times behind :meth:`diagnose` (seconds; see ``feeder.diagnosis``)."""
-        now = time.monotonic()
-        m = self.metrics()
+        """The stage times behind :meth:`diagnose` (seconds; see ``feeder.diagnosis``): the
+        fetchers that ran, for the time they ran (parked ones are left out)."""
+        now = self._now()
+        m = self._metrics(now)
+        running = [s.running_s(now) for s in self._workers]
         return StageTimes(
             elapsed_s=m["uptime_s"], batches=m["batches"], rows=m["rows"], consumer_wait_s=m["consumer_wait_s"],
             consumer_run_s=m["consumer_run_s"], consumer_between_s=m["consumer_between_s"],
-            workers=sum(1 for s in self._workers if s.lifetime(now) > 0), mode=self._fetchers.mode,
+            workers=sum(1 for r in running if r > 0), mode=self._fetchers.mode,
             fetch_s=m["fetch_s"],
             fetch_blocked_s=m["fetch_blocked_s"], fetch_wall_s=m["fetch_wall_s"], fetch_cpu_s=m["fetch_cpu_s"],
             fetch_cpu_wall_s=m["fetch_cpu_wall_s"], rows_fetched=m["rows_fetched"],
             queue_capacity=m["queue_capacity"],
-            intra_op_threads=intra_op_threads(self.session) if self.session is not None else None)
+            intra_op_threads=intra_op_threads(self.session) if self.session is not None else None,
+            fetch_longest_s=max(running, default=0.0), auto=self._tuner is not None)
 
     def diagnose(self) -> str:
         """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),
@@ -141,8 +182,9 @@ class FeedReports:
         return f"{text}\nSource: {what}." if what else text
 
     def _report(self, final: bool = False) -> None:
-        m = self.metrics()
-        rate = self._meter.rate(m["rows"])
+        now = self._now()
+        m = self._metrics(now)
+        rate = self._meter.rate(m["rows"], now)
         m["inputs_per_sec_interval"] = rate
         log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
                  "%d ready, %d live fetchers, %d active%s", self.input_source_name, " (final)" if final else "", rate,
@@ -165,8 +207,8 @@ class FeedReports:
         tuner = self._tuner
         if tuner is None or not self._started or self._stopped or self._ended:
             return
-        c = self.counters
-        new = tuner.observe(now, c.rows, c.wait_s)
+        rows, batches, wait_s = self.counters.so_far(now)  # with the waits still going on
+        new = tuner.observe(now, rows, wait_s, batches)
         if new is not None and self._throttle is not None:
             self._throttle.set_limit(new)
             log.debug("source %r: %d fetchers run now (%s)", self.input_source_name, new,

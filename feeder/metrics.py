@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 log = logging.getLogger("feeder")
 
@@ -21,7 +21,7 @@ class ConsumerCounters:
     take a lock (Caffe2's unlocked ``+=`` lost counts); the fields are plain attributes so that
     the per-batch update is cheap."""
 
-    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s", "run_s", "between_s", "_last_end")
+    __slots__ = ("_lock", "batches", "rows", "bytes", "wait_s", "run_s", "between_s", "_last_end", "_waits")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -30,10 +30,32 @@ class ConsumerCounters:
         # between the end of one call and the start of the next (see feeder.diagnosis).
         self.wait_s = self.run_s = self.between_s = 0.0
         self._last_end = 0.0
+        # Waits going on now: consumer thread id -> when its wait began (monotonic s). wait_s
+        # counts a wait when it ends; the tuner must see one that lasts longer than its window.
+        self._waits: Dict[int, float] = {}
+
+    def wait_began(self, start: float) -> None:
+        """The calling consumer thread has been waiting for a batch since ``start``; the wait is
+        over at its next ``took``, ``waited`` or ``wait_ended``."""
+        with self._lock:
+            self._waits[threading.get_ident()] = start
+
+    def wait_ended(self) -> None:
+        """The calling thread's wait ended without a batch nor a timeout (end of data, stop)."""
+        with self._lock:
+            self._waits.pop(threading.get_ident(), None)
+
+    def so_far(self, now: float) -> Tuple[float, float, float]:
+        """(rows, batches, seconds waited) up to ``now``, waits still going on included."""
+        with self._lock:
+            ongoing = sum(max(0.0, now - since) for since in self._waits.values())
+            return float(self.rows), float(self.batches), self.wait_s + ongoing
 
     def took(self, rows: int, nbytes: int, wait_s: float, start: float, now: float) -> None:
         """A consumer call that started at ``start`` took a batch at ``now`` (monotonic seconds)."""
         with self._lock:
+            if self._waits:
+                self._waits.pop(threading.get_ident(), None)  # counted in wait_s from now on
             self.batches += 1
             self.rows += rows
             self.bytes += nbytes
@@ -48,7 +70,9 @@ class ConsumerCounters:
             self._last_end = now
 
     def waited(self, wait_s: float) -> None:
+        """The calling thread waited ``wait_s`` seconds and got no batch (a timeout)."""
         with self._lock:
+            self._waits.pop(threading.get_ident(), None)
             self.wait_s += wait_s
 
     def snapshot(self) -> Dict[str, float]:
@@ -98,23 +122,35 @@ def send_to_external_loggers(loggers: Iterable[Any], metrics: Dict[str, float], 
 
 
 class Monitor:
-    """One daemon thread per coordinator that runs the feeds' throughput reports.
+    """Two daemon threads per coordinator: one runs the feeds' throughput reports, the other
+    ticks their tuners (``num_worker_threads="auto"``).
 
-    It runs apart from the enqueuers so that a slow external logger delays only reports,
-    never data. Final reports (at stop) are queued to it too, so a logger that hangs makes
-    the monitor a straggler of ``stop()`` instead of hanging ``stop()`` itself.
+    Reports run apart from the enqueuers so that a slow external logger delays only reports,
+    never data, and apart from the tuners' tick, which no report may hold up (a logger taking
+    seconds per call froze "auto" at one fetcher). The tick runs only feeder's own code. Final
+    reports (at stop) are queued to the report thread too, so a logger that hangs makes it a
+    straggler of ``stop()`` instead of hanging ``stop()`` itself.
     """
 
-    def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1):
+    def __init__(self, name: str, due_reports: Callable[[float], List[Callable[[], None]]], tick: float = 0.1,
+                 tune: Optional[Callable[[float], None]] = None, tuner_name: str = "feeder:tuner"):
         self._due = due_reports
         self._tick = tick
+        self._tune = tune
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._finals: Deque[Callable[[], None]] = deque()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.tuner_thread = (threading.Thread(target=self._tune_loop, name=tuner_name, daemon=True)
+                             if tune is not None else None)
 
     def start(self) -> None:
         self.thread.start()
+        if self.tuner_thread is not None:
+            self.tuner_thread.start()
+
+    def threads(self) -> List[threading.Thread]:
+        return [t for t in (self.thread, self.tuner_thread) if t is not None]
 
     def final(self, reports: Iterable[Callable[[], None]]) -> threading.Event:
         """Run these reports soon, before anything else; the event is set once they have run."""
@@ -133,6 +169,15 @@ class Monitor:
             report()
         except BaseException:  # noqa: B902 - nothing a report raises may kill the monitor
             log.exception("feeder throughput report failed")
+
+    def _tune_loop(self) -> None:
+        tune = self._tune
+        assert tune is not None
+        while not self._stop.wait(self._tick):
+            try:
+                tune(time.monotonic())
+            except BaseException:  # noqa: B902 - nothing may end the tuners' tick
+                log.exception("feeder tuner tick failed")
 
     def _loop(self) -> None:
         while True:

@@ -278,6 +278,8 @@ class ProcFetchers:
     def _receive(self, w: _Worker) -> None:
         state, source = w.state, self.source
         state.begin()
+        if self._throttle is not None and state.worker_id not in self._throttle.active:
+            state.park(state.started_at)  # parked from the start (see _receive_loop)
         try:
             self._receive_loop(w)
         except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
@@ -308,6 +310,7 @@ class ProcFetchers:
                 if go != w.go:
                     w.go = go
                     w.control.fields[GO] = int(go)
+                    (state.unpark if go else state.park)(time.monotonic())  # not running time
             try:
                 if not chan.poll(SLICE_S):
                     if stop.is_set() and (w.process is None or not w.process.is_alive()):
@@ -336,6 +339,7 @@ class ProcFetchers:
                 if self._throttle is not None:
                     w.go = state.worker_id in self._throttle.active
                     w.control.fields[GO] = int(w.go)
+                    (state.unpark if w.go else state.park)(time.monotonic())
                 if stop.is_set():
                     w.control.fields[STOP] = 1
             elif kind == "drop":
@@ -371,8 +375,9 @@ class ProcFetchers:
 
     def _update(self, w: _Worker, stats: Tuple[Any, ...]) -> None:
         s = w.state
-        (s.calls, s.chunks, rows, s.none_chunks, s.empty_chunks, s.fetch_errors, s.fetch_s, s.cpu_s, s.cpu_wall_s,
+        (s.calls, s.chunks, rows, s.none_chunks, s.empty_chunks, s.fetch_errors, s.fetch_s, s.cpu_s, wall_s,
          child_state, age) = stats
+        s.cpu_wall_s = max(0.0, wall_s - s.parked_s(time.monotonic()))  # the child's clock runs while parked
         s.rows = max(s.rows, rows)
         w.child_state = child_state
         w.child_since = time.monotonic() - age

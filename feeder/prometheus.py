@@ -13,13 +13,22 @@ Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` wit
 ``source`` (the feed's ``input_source_name``), as API.md says. Data-parallel replicas of a
 source are added up into the source's series: their per-feed counts and rates are summed,
 and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
-``live_workers``, ``batch_size``, ``uptime_s``) is taken from the replica that reported last.
-Every series is a gauge, so that its name is exactly ``<namespace>_<metric>`` (a
-Prometheus counter would be exposed as ``<namespace>_<metric>_total``). The monotonic totals
-(``batches``, ``rows``, ``fetch_calls``, ``bytes_delivered``, ...: ``COUNTERS``) still only
-grow, across a stop and a new registration of the same source too, so ``rate()`` and
-``increase()`` work on them as on counters. Values are the feeds' latest reports (every ``log_interval`` and
-at stop): a scrape never touches the feeds' threads.
+``live_workers``, ``batch_size``, ``uptime_s``: ``feeder.feedreport.SOURCE_KEYS``) is taken
+once. Every series is a gauge, so that its name is exactly ``<namespace>_<metric>`` (a
+Prometheus counter would be exposed as ``<namespace>_<metric>_total``). The totals (``batches``,
+``rows``, ``fetch_calls``, the stage times ``fetch_s``, ``consumer_run_s``, ..., the ledger's
+``source_rows_*``: ``feeder.feedreport.TOTALS``) still never go back: what feeds that stopped
+contributed stays in them, and so does what earlier registrations of the source (earlier
+generations of its queue, before a stop) counted, so ``rate()`` and ``increase()`` work on them
+as on counters. Values of the moment (rates, queue sizes) follow the feeds still running.
+Values are the feeds' latest reports (every ``log_interval`` and at stop): a scrape never
+touches the feeds' threads.
+
+The collector declares every family it may ever yield (``describe()``, from
+``feeder.feedreport.REPORT_KEYS``), so a name that another collector of the registry already
+has (a gauge of your own called ``feeder_batches``, or a logger whose namespace overlaps, such
+as ``feeder_source`` beside ``feeder``) makes creating the logger raise prometheus_client's
+usual ``ValueError`` instead of duplicating families in the exposition.
 
 How the feed tells the logger its source: ``PrometheusLogger`` sets ``log_with_feed = True``,
 so the feed calls ``log(metrics, feed=feed)`` instead of ``log(metrics)`` (see
@@ -38,13 +47,8 @@ import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
-# Keys of feed.metrics() that only ever grow while a feed lives: Prometheus counters.
-COUNTERS = frozenset({
-    "batches", "rows", "chunks_fetched", "rows_fetched", "fetch_calls", "none_chunks", "empty_chunks",
-    "fetch_errors", "rows_dropped", "consumer_wait_s", "source_rows_fetched", "source_rows_delivered",
-    "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
-    "zero_copy_batches",
-})
+from .feedreport import REPORT_KEYS, SOURCE_KEYS, TOTALS
+
 LABELS = ("source",)
 
 _INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'feeder[prometheus]'"
@@ -57,19 +61,16 @@ def metric_name(namespace: str, key: str) -> str:
     return "_" + name if name[0].isdigit() else name
 
 
-# Metrics that describe the source as a whole: every replica reports the same value.
-SOURCE_LEVEL = frozenset({"queue_size", "queue_capacity", "live_workers", "batch_size", "uptime_s"})
-
-
 def _source_level(key: str) -> bool:
-    return key.startswith("source_") or key in SOURCE_LEVEL
+    return key.startswith("source_") or key in SOURCE_KEYS
 
 
 class _Report:
-    __slots__ = ("source", "metrics", "seq", "feed")
+    __slots__ = ("source", "metrics", "seq", "feed", "generation")
 
-    def __init__(self, source: str, metrics: Dict[str, float], seq: int, feed: Any):
+    def __init__(self, source: str, metrics: Dict[str, float], seq: int, feed: Any, generation: Any):
         self.source, self.metrics, self.seq, self.feed = source, metrics, seq, feed
+        self.generation = generation  # which queue of the source (a new one after each stop)
 
     def live(self) -> bool:
         feed = self.feed() if self.feed is not None else None
@@ -94,13 +95,20 @@ class _Collector:
             seq = next(self._seq)
             token: Any = ("by hand", source)
             ref = None
+            generation = None
             if feed is not None:
                 try:
                     token = self._tokens.setdefault(feed, seq)
                     ref = weakref.ref(feed)
                 except TypeError:  # not weak-referenceable: one entry per source
                     pass
-            self._reports[token] = _Report(source, snapshot, seq, ref)
+                queue = getattr(feed, "source", None)  # a feed's queue: one per generation of a source
+                if queue is not None:
+                    try:
+                        generation = self._tokens.setdefault(queue, seq)
+                    except TypeError:
+                        pass
+            self._reports[token] = _Report(source, snapshot, seq, ref, generation)
 
     def values(self) -> Dict[str, Dict[str, float]]:
         """{source: {metric: value}}, replicas added up (see the module docstring)."""
@@ -115,27 +123,38 @@ class _Collector:
             live = [r for r in rs if r.live()] or [latest]
             values: Dict[str, float] = {}
             for key in sorted({k for r in rs for k in r.metrics}):
-                if _source_level(key):
-                    have = [r for r in rs if key in r.metrics]
+                have = [r for r in rs if key in r.metrics]
+                if key in TOTALS and _source_level(key):
+                    # Replicas of one generation report the same ledger (the largest is the
+                    # latest: it only grows); each generation after a stop starts from 0.
+                    by_generation: Dict[Any, float] = {}
+                    for r in have:
+                        by_generation[r.generation] = max(by_generation.get(r.generation, 0.0), r.metrics[key])
+                    values[key] = sum(by_generation.values())
+                elif key in TOTALS:  # every feed ever seen, stopped ones included
+                    values[key] = sum(r.metrics[key] for r in have)
+                elif _source_level(key):
                     values[key] = max(have, key=lambda r: r.seq).metrics[key]
-                elif key in COUNTERS:
-                    values[key] = sum(r.metrics.get(key, 0.0) for r in rs)
                 else:
                     values[key] = sum(r.metrics.get(key, 0.0) for r in live)
             out[source] = values
         return out
 
-    def describe(self) -> List[Any]:
-        return []  # names appear as sources report; nothing to check at registration
-
-    def collect(self) -> Iterator[Any]:
+    def _family(self, key: str) -> Any:
         from prometheus_client.core import GaugeMetricFamily
 
+        what = "total so far, only grows" if key in TOTALS else "latest value"
+        return GaugeMetricFamily(metric_name(self.namespace, key), f"feeder metric {key!r} ({what})", labels=LABELS)
+
+    def describe(self) -> List[Any]:
+        """Every family this collector may yield, so that the registry refuses a name clash
+        when the collector is registered (prometheus_client's ValueError)."""
+        return [self._family(key) for key in REPORT_KEYS]
+
+    def collect(self) -> Iterator[Any]:
         values = sorted(self.values().items())
         for key in sorted({k for _, m in values for k in m}):
-            name = metric_name(self.namespace, key)
-            what = "total so far, only grows" if key in COUNTERS else "latest value"
-            family = GaugeMetricFamily(name, f"feeder metric {key!r} ({what})", labels=LABELS)
+            family = self._family(key)
             for source, m in values:
                 if key in m:
                     family.add_metric([source], m[key])

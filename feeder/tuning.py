@@ -33,6 +33,11 @@ FAST = 1.25           # a step up that gained this much is followed at once by t
 COSTLY = 0.85         # a probe that lost more than this share waits twice as long before the next
 COOLDOWN = 4          # windows before a failed probe in the same direction is tried again ...
 COOLDOWN_MAX = 32     # ... doubling each time it fails, up to this many
+MIN_BATCHES = 2       # a window is evidence once it holds this many delivered batches, and at least
+                      # one per fetcher running (about one call of each, when a call makes a batch);
+                      # until then it grows (a fetch slower than WINDOW_S delivers none in most
+                      # windows of 0.3 s, and a window shorter than a call misses some fetchers) ...
+MAX_WINDOW_S = 10.0   # ... up to this long, when consumers that waited through it are evidence too
 
 
 class Tuner:
@@ -45,11 +50,12 @@ class Tuner:
         self.active = max(1, min(start, max_workers))
         self.window_s = window_s
         self._t0: Optional[float] = None
-        self._rows0 = self._wait0 = 0.0
+        self._rows0 = self._wait0 = self._batches0 = 0.0
         self._steady: Deque[float] = deque(maxlen=2)  # rows/s of the last windows at ``active`` fetchers
         self._probe: Optional[int] = None          # the count being tried, ``active`` the one to return to
         self._skip = True                          # skip the first window (start-up) and any window the
                                                    # count changed in (it mixes two counts)
+        self._first = True                         # the current window is the first (see observe)
         self._cool = {1: 0, -1: 0}                 # windows before probing up (1) / down (-1) again
         self._cool_len = {1: COOLDOWN, -1: COOLDOWN}
         self.decisions: List[str] = []             # the last few, for logs and tests
@@ -59,24 +65,44 @@ class Tuner:
         """How many fetchers should run now."""
         return self._probe if self._probe is not None else self.active
 
-    def observe(self, now: float, rows: float, wait_s: float) -> Optional[int]:
-        """Feed cumulative ``rows`` delivered and consumer ``wait_s`` at ``now`` (monotonic s);
-        returns the new number of fetchers when it changes, else None."""
+    def observe(self, now: float, rows: float, wait_s: float, batches: Optional[float] = None) -> Optional[int]:
+        """Feed cumulative ``rows`` delivered, consumer ``wait_s`` (waits still going on included)
+        and, optionally, ``batches`` delivered at ``now`` (monotonic s); returns the new number of
+        fetchers when it changes, else None.
+
+        A window is at least ``window_s`` long and, when ``batches`` is given, holds at least
+        MIN_BATCHES of them and one per fetcher running (the first window, which only has to
+        exclude the start, one): a window with fewer is no evidence yet and goes on, up to
+        MAX_WINDOW_S; then it counts if it holds MIN_BATCHES, or if consumers waited through it
+        (starved: that is evidence too). A window in which consumers neither took a batch nor
+        waited (they were busy elsewhere) starts afresh."""
         if self._t0 is None:
-            self._t0, self._rows0, self._wait0 = now, rows, wait_s
+            self._restart(now, rows, wait_s, batches)
             return None
         dt = now - self._t0
         if dt < self.window_s:
             return None
         rate = (rows - self._rows0) / dt
         waiting = (wait_s - self._wait0) / dt
-        self._t0, self._rows0, self._wait0 = now, rows, wait_s
+        least = 1 if self._first else MIN_BATCHES
+        if batches is not None and batches - self._batches0 < max(least, self.current):
+            idle = rows == self._rows0 and waiting <= 0.0
+            if not idle and dt < MAX_WINDOW_S:
+                return None  # too little data yet: the window goes on
+            if idle or (batches - self._batches0 < least and waiting < 1.0 - WAITING):
+                self._restart(now, rows, wait_s, batches)
+                return None  # no evidence: start afresh
+        self._restart(now, rows, wait_s, batches)
+        self._first = False
         if self._skip:
             self._skip = False
             return None
         before = self.current
         self._decide(rate, waiting)
         return self.current if self.current != before else None
+
+    def _restart(self, now: float, rows: float, wait_s: float, batches: Optional[float]) -> None:
+        self._t0, self._rows0, self._wait0, self._batches0 = now, rows, wait_s, batches or 0.0
 
     def _decide(self, rate: float, waiting: float) -> None:
         for d in self._cool:

@@ -54,7 +54,7 @@ class WorkerState:
 
     __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
                  "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
-                 "cpu_s", "cpu_wall_s", "_cpu0")
+                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
@@ -64,27 +64,52 @@ class WorkerState:
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
         self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
         self.copied_bytes = 0  # bytes this fetcher copied while coalescing
-        # Stage times, seconds (see feeder.diagnosis): lifetime, inside fetch_fun, waiting for room in
-        # the source, and CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the lifetime.
+        # Stage times, seconds (see feeder.diagnosis): running time (the lifetime less the time
+        # parked by num_worker_threads="auto"), inside fetch_fun, waiting for room in the source, and
+        # CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the running time.
         self.started_at = self.ended_at = 0.0
         self.fetch_s = self.blocked_s = self.cpu_s = self.cpu_wall_s = 0.0
         self._cpu0 = 0.0
+        # (seconds parked in parks that are over, start of the current park or 0.0): one tuple,
+        # replaced whole, so that other threads read a consistent pair without a lock.
+        self._parked = (0.0, 0.0)
 
     def begin(self) -> None:
         """Called by the fetcher itself as it starts: the origin of its lifetime and CPU clock."""
         self.started_at = time.monotonic()
         self._cpu0 = time.thread_time()
 
+    def park(self, now: float) -> None:
+        """The tuner parked this fetcher at ``now`` (monotonic s); a park already begun goes on."""
+        done, since = self._parked
+        if not since:
+            self._parked = (done, now)
+
+    def unpark(self, now: float) -> None:
+        """The tuner let this fetcher run again at ``now``."""
+        done, since = self._parked
+        if since:
+            self._parked = (done + max(0.0, now - since), 0.0)
+
+    def parked_s(self, now: float) -> float:
+        """Seconds this fetcher was parked up to ``now`` (or until it ended)."""
+        done, since = self._parked
+        if since:
+            end = min(now, self.ended_at) if self.ended_at else now
+            done += max(0.0, end - since)
+        return done
+
     def sample_cpu(self, now: float) -> None:
         """Read this thread's CPU clock (costs ~0.6 us, so only every CPU_SAMPLE_S)."""
         self.cpu_s = time.thread_time() - self._cpu0
-        self.cpu_wall_s = now - self.started_at
+        self.cpu_wall_s = self.running_s(now)
 
-    def lifetime(self, now: float) -> float:
-        """Seconds this fetcher has run (until it ended, if it has)."""
+    def running_s(self, now: float) -> float:
+        """Seconds this fetcher has run until ``now`` (or until it ended), time parked excluded."""
         if not self.started_at:
             return 0.0
-        return (self.ended_at or now) - self.started_at
+        end = self.ended_at or now
+        return max(0.0, end - self.started_at - self.parked_s(end))
 
     def set(self, state: str) -> None:
         self.state = state
@@ -120,8 +145,12 @@ def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
 
 def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
     """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile.
-    Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers)."""
-    put = source.put(chunk, SLICE_S)
+    Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers).
+
+    The first try does not wait, so the blocked clock starts at the first moment the chunk does
+    not fit: a model-bound feed's puts wait a few milliseconds each, and all of it is blocked time
+    (``diagnose()`` rests on it). The fast path costs one clock read, as the timed try did."""
+    put = source.put(chunk, 0.0)
     if put is True:
         state.rows_put += chunk.rows
         return True
@@ -255,11 +284,15 @@ def _park(throttle: Throttle, state: WorkerState, co: Optional[Coalescer], stop:
     if co is not None and co.rb.pending_rows and not co.put_pending():
         return False
     state.set("parked (auto concurrency)")
+    state.park(state.since)  # parked time is not running time (feeder.diagnosis)
     wid = state.worker_id
-    while not throttle.wait(wid, SLICE_S):
-        if stop.is_set() or source.failure is not None:
-            return False
-    return True
+    try:
+        while not throttle.wait(wid, SLICE_S):
+            if stop.is_set() or source.failure is not None:
+                return False
+        return True
+    finally:
+        state.unpark(time.monotonic())
 
 
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
@@ -277,6 +310,8 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     monotonic = time.monotonic
     check = validator.check
     state.begin()
+    if throttle is not None and wid not in throttle.active:
+        state.park(state.started_at)  # parked from the start: it has not run at all
     now = monotonic()
     cpu_due = now + CPU_SAMPLE_S
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -127,3 +128,25 @@ def test_the_examples_fetch_functions_load_by_file_path():
     classify = bench.load_fetch(os.path.join(EXAMPLES, "classify_files.py") + ":fetch")
     chunk = classify(0, 16)
     assert list(chunk) == ["bytes"] and chunk["bytes"].dtype == np.int32 and chunk["bytes"].shape[1] == 2048
+
+
+def test_a_file_named_like_another_module_runs_in_worker_processes_too(tmp_path, monkeypatch):
+    """`feeder bench json.py:fetch`: the file ran under a private module name that worker
+    processes cannot import, so every process line failed. It travels as path and name now."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "json.py").write_text(FETCH_MODULE)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_fetch adds the file's folder
+    try:
+        fetch = bench.load_fetch(str(data / "json.py") + ":fetch")
+        assert sys.modules["json"].__file__ != str(data / "json.py")  # the standard json is left alone
+        assert pickle.loads(pickle.dumps(fetch))(0, 4)["x"].shape == (7, 4)
+    finally:
+        sys.modules.pop(bench.PRIVATE_PREFIX + "json", None)
+    cmd = [sys.executable, "-m", "feeder", "bench", str(data / "json.py") + ":fetch", "--seconds", "0.2",
+           "--workers", "1", "--json"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    results = {r["name"]: r for r in json.loads(out.stdout)["results"]}
+    assert "feeder, 1 process" in results, results
+    assert all(r["error"] is None and r["rows"] > 0 for r in results.values()), results

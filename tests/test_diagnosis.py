@@ -6,6 +6,7 @@ loop), run for real; then the advice branches of the pure verdict on figures mad
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from feeder.diagnosis import StageTimes, verdict
 
 pytest.importorskip("onnxruntime")
 from models import linear_model, session  # noqa: E402
+from utils import Const, Sharded, workers  # noqa: E402
 
 
 class SlowModel:
@@ -124,6 +126,17 @@ def test_threads_sharing_one_core_are_told_to_use_processes():
     assert "holds the GIL" in text and "num_worker_processes=2" in text
 
 
+def test_auto_figures_are_those_of_the_fetchers_that_ran():
+    """num_worker_threads="auto" with a GIL-bound fetch: 3 of 8 fetchers ran, one all along and
+    the others during probes (1.2 at a time on average), each using 80% of a core while running.
+    That is about one core in all and the advice 2 fixed threads get, not 3 cores or more threads."""
+    text = verdict(times(workers=3, auto=True, fetch_longest_s=10.0, fetch_wall_s=12.0, fetch_s=11.5,
+                         fetch_cpu_s=9.6, fetch_cpu_wall_s=12.0))
+    assert "0.96 CPU cores in all" in text and "1.2 running at a time on average, auto" in text, text
+    assert "holds the GIL" in text and "num_worker_processes=3" in text, text
+    assert "holds the GIL" in verdict(times())  # 2 fixed threads, 1.0 core in all
+
+
 def test_cpu_bound_processes_are_told_to_add_processes():
     text = verdict(times(mode="processes", fetch_cpu_s=19.0))
     assert "CPU-bound" in text and "worker processes" in text
@@ -140,3 +153,48 @@ def test_spinning_intra_op_threads_are_named_when_fetchers_need_cpu():
     assert "intra_op_num_threads=1" in text
     assert "intra_op_num_threads" not in verdict(times(workers=1, fetch_s=9.5, fetch_wall_s=10.0,
                                                        fetch_cpu_s=9.0, fetch_cpu_wall_s=10.0))
+
+
+def _blocked_share(text):
+    found = re.search(r"blocked on a full queue (\d+)%", text)
+    assert found, text
+    return int(found[1]) / 100
+
+
+def test_short_waits_on_a_full_queue_are_counted_as_blocked(coord, mode):
+    """A model taking 15 ms a batch keeps the queue full, and each put waits about that long: all
+    of it is time blocked. (Counting began only after a first 50 ms slice, so every wait shorter
+    than that was lost: "blocked 0%" where a sampler found the fetchers in put() all the time.)"""
+    fetch = Const([np.ones((8, 4), np.float32)])  # a whole batch a call: each put takes one slot
+    feeder.init_data_input_workers(SlowModel(0.015), None, fetch, 8, coordinator=coord, timeout=30,
+                                   max_buffered_batches=2, **workers(mode, 1))
+    coord.start()
+    feed = coord.feed("train")
+    feed.run()  # started (worker processes take a while): the clock below runs from here
+    m0 = feed.metrics()
+    run_for(feed, 1.5, feed.run)
+    m = feed.metrics()
+    blocked, wall = (m[k] - m0[k] for k in ("fetch_blocked_s", "fetch_wall_s"))
+    assert blocked > 0.7 * wall, (blocked, wall)
+    text = feed.diagnose()
+    assert text.startswith("Model-bound"), text
+    assert _blocked_share(text) >= 0.5, text
+
+
+def test_figures_freeze_when_the_feed_stops_or_its_data_ends(coord):
+    """diagnose() and metrics() after stop() kept counting time, so their rates decayed (7,551
+    rows/s at stop, 2,519 two seconds later)."""
+    feeder.init_data_input_workers(None, ["x"], fast_fetch, 8, num_worker_threads=1, coordinator=coord, timeout=10)
+    feeder.init_data_input_workers(None, ["id", "x"], Sharded(64, 1, sizes=(8,)), 8, num_worker_threads=1,
+                                   input_source_name="finite", coordinator=coord, timeout=10)
+    coord.start()
+    feed, finite = coord.feed("train"), coord.feed("finite")
+    run_for(feed, 0.3, feed.next_batch)
+    assert sum(1 for _ in finite) == 8  # to its end of data
+    ended = (finite.diagnose(), finite.metrics())
+    coord.stop()
+    stopped = (feed.diagnose(), feed.metrics())
+    threading.Event().wait(0.3)
+    assert (feed.diagnose(), feed.metrics()) == stopped
+    assert (finite.diagnose(), finite.metrics()) == ended
+    assert stopped[1]["inputs_per_sec"] > 0 and stopped[1]["uptime_s"] > 0.3

@@ -71,3 +71,17 @@ def test_external_logger_raising_a_base_exception_keeps_the_monitor_reporting(co
     assert bad.calls >= 2
     assert len(good.records) > periodic  # the final report still ran
     assert any("SystemExit" in (r.exc_text or "") or "external logger" in r.getMessage() for r in caplog.records)
+
+
+def test_consumer_counters_see_a_wait_while_it_lasts():
+    """The tuner reads waits that are still going on: one longer than its window counted nothing."""
+    from feeder.metrics import ConsumerCounters
+
+    c = ConsumerCounters()
+    c.wait_began(10.0)
+    assert c.so_far(10.5) == (0.0, 0.0, 0.5)
+    c.took(4, 16, 0.75, 10.0, 10.75)  # the wait ends in the total, not twice
+    assert c.so_far(11.0) == (4.0, 1.0, 0.75)
+    c.wait_began(11.0)
+    c.wait_ended()  # end of data or stop: not a wait any more
+    assert c.so_far(12.0)[2] == 0.75

@@ -7,8 +7,10 @@ import urllib.request
 
 import numpy as np
 import pytest
+from utils import ListLogger, wait_until
 
 import feeder
+from feeder.feedreport import METRIC_KEYS, REPORT_KEYS, TOTALS
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -151,3 +153,84 @@ def test_counters_survive_a_gone_feed_and_hand_calls_name_their_source():
     prom.log({"rows": 5.0, "queue_size": 1.0}, source="manual")
     assert registry.get_sample_value("app_rows", {"source": "manual"}) == 5.0
     assert registry.get_sample_value("app_queue_size", {"source": "manual"}) == 1.0
+
+
+def totals(registry, source):
+    return {k: registry.get_sample_value(f"feeder_{k}", {"source": source}) for k in sorted(TOTALS)}
+
+
+def test_totals_never_go_back_after_a_stop_and_a_new_registration(coord):
+    """The source's ledger starts from 0 with each registration after a stop: published as it
+    was, feeder_source_rows_fetched went 1696 -> 272. Earlier generations stay in the totals."""
+    registry = prometheus_client.CollectorRegistry()
+    prom = feeder.PrometheusLogger(registry=registry)
+    seen = []
+    for n in (6, 2):
+        feeder.init_data_input_workers(None, ["x"], chunk, 4, num_worker_threads=1, external_loggers=[prom],
+                                       coordinator=coord)
+        coord.start()
+        for _ in range(n):
+            coord.feed("train").next_batch(timeout=10)
+        assert coord.stop()
+        seen.append(totals(registry, "train"))
+    before, after = seen
+    assert all(after[k] >= before[k] for k in before), [(k, before[k], after[k]) for k in before
+                                                          if after[k] < before[k]]
+    assert after["source_rows_delivered"] == 8 * 4 and after["batches"] == 8
+    assert after["source_rows_fetched"] > before["source_rows_fetched"]
+
+
+def test_totals_keep_what_stopped_replicas_contributed(coord):
+    """Stage times were summed over the feeds still running: when the replicas stopped, only the
+    last one's were left, and feeder_fetch_wall_s, feeder_consumer_between_s ... went back."""
+    registry = prometheus_client.CollectorRegistry()
+    prom = feeder.PrometheusLogger(registry=registry)
+    for _ in range(2):
+        feeder.init_data_input_workers(None, ["x"], chunk, 3, num_worker_threads=1, input_source_name="score",
+                                       external_loggers=[prom], log_interval=0.05, coordinator=coord)
+    coord.start()
+    for feed in coord.feeds("score"):
+        for _ in range(3):
+            feed.next_batch(timeout=10)
+    wait_until(lambda: registry.get_sample_value("feeder_batches", {"source": "score"}) == 6.0,
+               what="both replicas' reports")
+    live = totals(registry, "score")
+    assert coord.stop()
+    stopped = totals(registry, "score")
+    assert all(stopped[k] >= live[k] for k in live), [(k, live[k], stopped[k]) for k in live
+                                                      if stopped[k] < live[k]]
+    assert stopped["fetch_wall_s"] > 0 and stopped["consumer_between_s"] > 0
+
+
+def test_every_key_a_feed_reports_is_declared(coord):
+    """describe() lists the families from feeder.feedreport: the feeds' keys must all be there."""
+    logger = ListLogger()
+    feeder.init_data_input_workers(None, ["x"], chunk, 4, num_worker_threads=1, external_loggers=[logger],
+                                   coordinator=coord)
+    coord.start()
+    feed = coord.feed("train")
+    feed.next_batch(timeout=10)
+    assert set(feed.metrics()) == set(METRIC_KEYS)
+    assert coord.stop()
+    assert set(logger.records[-1]) == set(REPORT_KEYS) and TOTALS <= set(METRIC_KEYS)
+
+
+def test_a_name_clash_in_the_registry_fails_when_the_logger_is_created():
+    """describe() returned nothing, so a clash went unnoticed and the exposition held two
+    families of one name. The registry refuses it now with its usual ValueError."""
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Gauge("feeder_batches", "the user's own", registry=registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        feeder.PrometheusLogger(registry=registry)
+
+    registry = prometheus_client.CollectorRegistry()
+    first = feeder.PrometheusLogger(registry=registry)
+    assert feeder.PrometheusLogger(registry=registry)._collector is first._collector  # one per namespace, shared
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        feeder.PrometheusLogger(registry=registry, namespace="feeder_source")  # feeder_source_rows_fetched
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        prometheus_client.Gauge("feeder_rows", "the user's own, after the logger", registry=registry)
+    feeder.PrometheusLogger(registry=registry, namespace="job")  # no overlap: fine
+    first.log({"rows": 1.0}, source="a")
+    families = [f.name for f in text_string_to_metric_families(prometheus_client.generate_latest(registry).decode())]
+    assert len(families) == len(set(families))

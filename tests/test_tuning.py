@@ -1,14 +1,18 @@
 """num_worker_threads="auto": feeder finds how many fetchers raise throughput (issue 14)."""
 from __future__ import annotations
 
+import logging
+import os
+import re
 import threading
 import time
 
 import numpy as np
 import pytest
+from utils import random_probe, until
 
 import feeder
-from feeder.tuning import COOLDOWN, Throttle, Tuner
+from feeder.tuning import COOLDOWN, WINDOW_S, Throttle, Tuner
 
 
 def sleeping_fetch(worker_id, batch_size):
@@ -74,6 +78,47 @@ def test_auto_settles_on_more_fetchers_for_a_sleeping_fetch(coord):
     assert feed.metrics()["active_workers"] >= 4
 
 
+class SlowLogger:
+    """An external logger that takes 5 s per call (a remote service on a bad day) until released."""
+
+    def __init__(self):
+        self.calls = 0
+        self.release = threading.Event()
+
+    def log(self, metrics):
+        self.calls += 1
+        self.release.wait(5.0)
+
+
+def test_a_slow_external_logger_does_not_hold_up_the_tuner(coord):
+    """The tuner ticked on the monitor thread, between reports: a logger taking 5 s per call kept
+    "auto" at one fetcher (793 rows/s against 3,014 without it). It has a thread of its own."""
+    slow = SlowLogger()
+    try:
+        feed, seen = run_auto(coord, sleeping_fetch, 4.0, external_loggers=[slow], log_interval=0.05)
+        assert slow.calls >= 1  # the logger was in its call all along
+        # Frozen, the tuner never leaves 1 here; free, it reaches 5 or more in 4 s on a quiet machine.
+        assert max(seen) >= 3, feed._tuner.decisions
+    finally:
+        slow.release.set()  # stop()'s final report must not wait 5 s either
+
+
+def slower_than_a_window_fetch(worker_id, batch_size):
+    threading.Event().wait(2.5 * WINDOW_S)  # I/O slower than the tuner's window: more fetchers help
+    return [np.ones((batch_size, 8), np.float32)]
+
+
+def test_auto_climbs_for_a_fetch_slower_than_the_window(coord):
+    """Most windows of 0.3 s delivered no batch and counted as "0 rows, no wait" (a wait was
+    counted when its batch came): probes up failed, probes down held, and "auto" drifted down to
+    one fetcher while the consumer waited all along (3 runs in 3 here). A window without enough
+    data is no evidence, and a wait still going on is waiting. Measured with the fix: 3 fetchers
+    after about 6 s, 4 after 7.5 (a window then holds two batches and one per fetcher running:
+    1.5 s at one fetcher, about one call of each fetcher later)."""
+    feed, seen = run_auto(coord, slower_than_a_window_fetch, 8.5)
+    assert max(seen) >= 3 and seen[-1] >= 3, (seen, feed._tuner.decisions)
+
+
 def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     """Fewer than an I/O-bound fetch gets (the test above: 6 of 8 in 4 s), and no climb to 8.
 
@@ -89,6 +134,23 @@ def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     late = seen[len(seen) // 2:]
     assert sum(late) / len(late) < 3.0, feed._tuner.decisions
     assert max(seen) <= 4, feed._tuner.decisions
+
+
+def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(coord):
+    """Parked fetchers are no fetchers: with all 8 ids in the wall time and the CPU share
+    multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine, "in fetch_fun
+    16% of their time", and the advice flipped between I/O and CPU-bound where 2 fixed threads get
+    "the GIL, use processes" (tests/test_diagnosis.py checks that advice on these figures)."""
+    feed, _ = run_auto(coord, gil_bound_fetch, 2.5)
+    text = feed.diagnose()
+    t = feed.stage_times()
+    assert 2 <= t.workers < 8 and t.auto, t  # the tuner tried a second one; the rest never ran
+    assert t.fetch_wall_s < 0.9 * t.workers * t.elapsed_s, t  # parked time is not running time
+    cores = float(re.search(r"([\d.]+) CPU cores in all", text)[1])
+    assert cores <= (os.cpu_count() or 1), text
+    assert t.fetch_s > 0.5 * t.fetch_wall_s, text  # running, they are in fetch_fun (or wait for the GIL there)
+    if t.fetch_cpu_s >= 0.6 * t.fetch_cpu_wall_s:  # the fetcher had its core (on a machine this busy, not always)
+        assert "holds the GIL" in text and "num_worker_processes=" in text, text
 
 
 def test_auto_gives_back_fetchers_that_make_the_fetch_slower(coord):
@@ -126,6 +188,24 @@ def test_fixed_counts_keep_their_meaning_and_report_active_workers(coord):
     feed = coord.feed("train")
     feed.next_batch(timeout=10)
     assert feed.metrics()["active_workers"] == 3 and feed._tuner is None
+
+
+def test_a_fixed_number_of_processes_all_run_whatever_num_worker_threads_says(coord, caplog):
+    """num_worker_threads="auto" beside num_worker_processes=2 made the tuner park one of the two
+    processes: "auto" was taken from the thread argument, which process mode ignores."""
+    with caplog.at_level(logging.WARNING, logger="feeder"):
+        feeder.init_data_input_workers(None, ["x"], random_probe, 4, num_worker_threads="auto",
+                                       num_worker_processes=2, coordinator=coord, timeout=20)
+    coord.start()
+    feed = coord.feed("train")
+    assert feed._tuner is None and len(feed.worker_ids) == 2
+    seen = set()
+    for _ in until(20.0):
+        seen.update(feed.next_batch()["x"][:, 0].astype(int).tolist())
+        if seen == set(feed.worker_ids):
+            break
+    assert seen == set(feed.worker_ids) and feed.metrics()["active_workers"] == 2
+    assert any("num_worker_threads='auto' is ignored" in r.getMessage() for r in caplog.records)
 
 
 def test_auto_is_the_only_string_accepted(coord):
@@ -227,3 +307,54 @@ def test_a_kept_step_is_not_probed_straight_back():
     first_two = history.index(2)
     kept_at = first_two + 2  # the probe's two windows
     assert history.index(1, kept_at) >= kept_at + COOLDOWN, history
+
+
+def simulate_slow_fetch(tuner, seconds, call_s=0.75, honest=True):
+    """Fetchers each deliver a 64-row batch per call of ``call_s`` seconds (a fetcher let run
+    starts a call; a parked one finishes the call it is in); the consumer waits all the time.
+    Ticks of 0.1 s, as the tuner's own thread. ``honest=False`` feeds the tuner as the feed did
+    before: a wait counted only when its batch came, and no batch count. Returns the counts."""
+    t = rows = batches = wait = since = 0.0
+    tuner.observe(t, rows, wait, batches if honest else None)
+    calls = [None] * tuner.max_workers  # when each fetcher's call in progress ends (None: parked)
+    history = []
+    for _ in range(round(seconds / 0.1)):
+        t = round(t + 0.1, 6)
+        for w, end in enumerate(calls):
+            if end is not None and end <= t:
+                rows, batches, wait, since = rows + 64, batches + 1, wait + (t - since), t
+                calls[w] = t + call_s if w < tuner.current else None
+        for w in range(tuner.current):
+            if calls[w] is None:
+                calls[w] = t + call_s
+        tuner.observe(t, rows, wait + (t - since) if honest else wait, batches if honest else None)
+        history.append(tuner.current)
+    return history
+
+
+def test_windows_without_enough_batches_are_no_evidence():
+    """A fetch slower than the window: most windows deliver no batch. Read as "0 rows/s, nobody
+    waited", they drove the tuner down to one fetcher (the first simulation, as the tuner was fed
+    before); as no evidence, with the wait still going on counted, it climbs."""
+    assert simulate_slow_fetch(Tuner(8), 30.0, honest=False)[-1] <= 2
+    history = simulate_slow_fetch(Tuner(8), 30.0)
+    assert history[-1] >= 6 and min(history[history.index(4):]) >= 4, history
+    tuner = Tuner(8, start=2)
+    tuner.observe(0.0, 0.0, 0.0, 0.0)
+    for i in range(1, 200):  # 20 s of a consumer busy elsewhere: nothing taken, nothing waited
+        assert tuner.observe(i * 0.1, 0.0, 0.0, 0.0) is None
+    assert tuner.current == 2 and not tuner.decisions
+
+
+def test_a_slow_consumer_still_gives_fetchers_back():
+    """A consumer taking a batch every 2 s never waits: windows cannot hold one batch per fetcher
+    (8), so after 10 s a window with two batches is evidence enough to try fewer."""
+    tuner = Tuner(8, start=8)
+    t = rows = batches = 0.0
+    tuner.observe(t, rows, 0.0, batches)
+    for i in range(1, 1200):  # 120 s
+        t += 0.1
+        if i % 20 == 0:
+            rows, batches = rows + 64, batches + 1
+        tuner.observe(t, rows, 0.0, batches)
+    assert tuner.active < 8, tuner.decisions
