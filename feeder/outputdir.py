@@ -101,6 +101,7 @@ class OutputDir:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"output {self.path!r} exists and is not a directory")
         os.makedirs(self.path, exist_ok=True)
+        self.refuse_foreign(self.scan())  # before the lock file: a user's folder is left as it was
         if fcntl is None:  # pragma: no cover
             return
         fd = os.open(self.join(LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
@@ -119,6 +120,13 @@ class OutputDir:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def refuse_foreign(self, found: "Listing") -> None:
+        """ValueError if the directory holds anything we did not write (we never delete it)."""
+        if found.foreign:
+            shown = found.foreign[:5] + (["..."] if len(found.foreign) > 5 else [])
+            raise ValueError(f"output {self.path!r} holds files that feeder.predict did not write ({shown}); "
+                             f"use an empty or new directory (nothing was changed)")
 
     # ---- reading ------------------------------------------------------------------------------
     def scan(self) -> Listing:

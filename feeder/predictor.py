@@ -123,7 +123,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
                          f"(epochs=1 scores every row once)")
     session, model_hash = _open_model(model)
     plan = _Plan.make(session, source, outputs, keep, batch_size)
-    fingerprint = {"signature": model_signature(session), "sha256": model_hash}
+    fingerprint = {**model_signature(session), "sha256": model_hash}
     options = {"outputs": plan.outputs, "keep": plan.keep}
     out = OutputDir(output)
     out.open()
@@ -327,10 +327,7 @@ class _Job:
     def prepare(self, overwrite: bool) -> bool:
         """Check the output directory and its state; True when it is already complete."""
         found = self.out.scan()
-        if found.foreign:
-            shown = found.foreign[:5] + (["..."] if len(found.foreign) > 5 else [])
-            raise ValueError(f"output {self.out.path!r} holds files that feeder.predict did not write ({shown}); "
-                             f"use an empty or new directory (nothing was changed)")
+        self.out.refuse_foreign(found)  # again, now under the lock
         if not found.state:
             if found.parts:
                 raise ValueError(f"output {self.out.path!r} holds part files ({sorted(found.parts.values())[:3]}) but "
@@ -453,15 +450,20 @@ def _part_index(name: str) -> int:
     return int(name[len("part-"):-len(".parquet")])
 
 
-def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any]) -> List[str]:
+def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any], depth: int = 1) -> List[str]:
     """``what key: the output has X, this call Y`` for every key whose values differ (as JSON sees
-    them). A model hash that one side does not know is not compared."""
+    them), going ``depth`` levels into dicts so that the message names the input or output that
+    differs. A model hash that one side does not know is not compared."""
     out = []
     for key in sorted(set(theirs) | set(mine)):
         a, b = _jsonish(theirs.get(key)), _jsonish(mine.get(key))
         if key == "sha256" and (a is None or b is None):
             continue
-        if a != b:
+        if a == b:
+            continue
+        if depth > 0 and isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(f"{what} {key}", a, b, depth - 1)
+        else:
             out.append(f"{what} {key}: the output has {_short(a)}, this call {_short(b)}")
     return out
 

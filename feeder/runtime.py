@@ -376,11 +376,11 @@ def load_session(path: str) -> Any:
 
 
 def model_signature(session: Any) -> Dict[str, Any]:
-    """Names, element types and shapes of a session's inputs and outputs (JSON-able)."""
-    def args(items: Sequence[Any]) -> List[List[Any]]:
-        return [[a.name, getattr(a, "type", None),
-                 None if getattr(a, "shape", None) is None else [d if isinstance(d, (int, str)) else None
-                                                                  for d in a.shape]] for a in items]
+    """Element type and shape of each of a session's inputs and outputs, by name (JSON-able)."""
+    def args(items: Sequence[Any]) -> Dict[str, List[Any]]:
+        return {a.name: [getattr(a, "type", None),
+                         None if getattr(a, "shape", None) is None else [d if isinstance(d, (int, str)) else None
+                                                                          for d in a.shape]] for a in items}
     return {"inputs": args(session.get_inputs()), "outputs": args(session.get_outputs())}
 
 
