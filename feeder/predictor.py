@@ -39,7 +39,7 @@ import numpy as np
 from .api import init_data_input_workers
 from .coordinator import GlobalCoordinator
 from .errors import FeederError
-from .outputdir import STATE_NAME, OutputDir
+from .outputdir import PART_RE, STATE_NAME, OutputDir
 from .partwriter import CommittedPart, PartWriter
 from .rowkeys import KeyLedger, merge_ranges, source_state
 from .runtime import (
@@ -343,7 +343,12 @@ class _Job:
         self.resume = state["source"]
         self._ranges = ranges_of(self.resume)
         self._fresh = False
-        return bool(state.get("complete"))
+        total = self._total()
+        if total is not None and self.rows > total:
+            raise ValueError(f"output {self.out.path!r} holds {self.rows} rows, more than this source's {total} "
+                             f"(fewer epochs?); pass overwrite=True to start afresh (it removes that output)")
+        # Complete only while the source has no more rows: a source given more epochs continues.
+        return bool(state.get("complete")) and (total is None or self.rows == total)
 
     def _check_state(self, state: Dict[str, Any]) -> None:
         where = f"output {self.out.path!r}"
@@ -373,7 +378,9 @@ class _Job:
                                                   for p in parts):
             raise ValueError(f"{where}: {STATE_NAME} does not list its parts; {afresh}")
         for p in parts:
-            path = self.out.join(str(p["file"]))
+            if not isinstance(p["file"], str) or not PART_RE.match(p["file"]):
+                raise ValueError(f"{where}: {STATE_NAME} lists {p['file']!r}, which is not a part file; {afresh}")
+            path = self.out.join(p["file"])
             size = os.path.getsize(path) if os.path.isfile(path) else None
             if size != p["bytes"]:
                 got = "missing" if size is None else f"{size} bytes, not {p['bytes']}"
@@ -411,12 +418,17 @@ class _Job:
             raise
         return _Replicas(coord, writer, plan, self._todo(), progress).run()
 
-    def _todo(self) -> Optional[int]:
-        """Rows still to compute, when the source can tell (a sharded source: rows x epochs)."""
+    def _total(self) -> Optional[int]:
+        """The rows of the whole source, when it can tell (a sharded source: rows x epochs)."""
         epochs = getattr(self.source, "epochs", None)
         if isinstance(self.source, ShardedSource) and isinstance(epochs, int):
-            return max(0, len(self.source) * epochs - self.rows)
+            return len(self.source) * epochs
         return None
+
+    def _todo(self) -> Optional[int]:
+        """Rows still to compute, when the source can tell."""
+        total = self._total()
+        return None if total is None else max(0, total - self.rows)
 
     def _on_commit(self, part: Optional[CommittedPart], keys: Optional[np.ndarray], final: bool) -> None:
         """In the writer thread, once ``part`` is durable under its final name: record it in the state."""

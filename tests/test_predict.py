@@ -181,6 +181,19 @@ def test_a_finished_output_returns_at_once_without_touching_it(tmp_path):
     assert {name: os.stat(tmp_path / "out" / name).st_mtime_ns for name in our_files(tmp_path / "out")} == before
 
 
+def test_more_epochs_continue_a_finished_output_and_fewer_are_refused(tmp_path):
+    n = 300
+    x = data(n)
+    sess = session(linear_model())
+    arrays = {"x": x, "id": np.arange(n)}
+    assert feeder.predict(sess, ArraySource(arrays), tmp_path / "out", keep=["id"], progress=False).rows == n
+    more = feeder.predict(sess, ArraySource(arrays, epochs=2), tmp_path / "out", keep=["id"], progress=False)
+    assert (more.rows, more.rows_computed) == (2 * n, n)
+    assert sorted(read_sorted(tmp_path / "out")["id"].tolist()) == sorted(list(range(n)) * 2)
+    with pytest.raises(ValueError, match="holds 600 rows, more than this source's 300"):
+        feeder.predict(sess, ArraySource(arrays), tmp_path / "out", keep=["id"], progress=False)
+
+
 class FailingArraySource(ArraySource):
     """An ArraySource whose ``fail_at``-th read waits until the output in ``out`` has ``min_rows``
     committed, then fails (so that a failure finds committed parts, whatever the timing)."""
