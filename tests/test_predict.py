@@ -454,15 +454,26 @@ def test_writer_keeps_every_row_when_replicas_wait_for_buffers_together(tmp_path
 
 # ---- killed with SIGKILL, then called again ---------------------------------------------------------------
 CHILD = r'''
-import os, signal, sys
+import os, signal, sys, time
 import numpy as np
 import feeder
 from feeder.sources import ArraySource
 
+
+
+class SlowSource(ArraySource):
+    """Reading takes a while (50 ms a unit, 62 units, 4 fetchers: about 0.8 s in all), so that a
+    run outlasts the random moment it is killed at on any machine."""
+
+    def _read(self, unit, rows, worker_id):
+        time.sleep(0.05)
+        return super()._read(unit, rows, worker_id)
+
+
 out, model, die = sys.argv[1], sys.argv[2], sys.argv[3]
 n = 6000
 x = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
-src = ArraySource({"x": x, "id": np.arange(n)}, shuffle=True, seed=1, block_rows=97)
+src = SlowSource({"x": x, "id": np.arange(n)}, shuffle=True, seed=1, block_rows=97)
 if die != "no":  # die at the k-th os.replace or os.fsync, before or after it: inside a commit
     what, k, when = die.split(":")
     k = int(k)
