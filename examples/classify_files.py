@@ -1,6 +1,7 @@
 """Content-type detection of every file under a folder with Magika's real ONNX model, fed by feeder.
 
 Run:  python examples/classify_files.py [DIR] [--workers N | --processes N] [--batch-size N] [--replicas N] [--limit N]
+      python examples/classify_files.py [DIR] --predict OUTPUT   (the same labels through feeder.predict)
       (needs ``pip install magika``; DIR defaults to the Python standard library folder,
       without its site-packages/dist-packages)
 
@@ -56,12 +57,22 @@ Python fetchers). The model costs milliseconds per file, reading a file microsec
 scoring is the bottleneck; ``--replicas R`` registers R feeds on the same source (feeder's
 data-parallel replicas sharing one queue), each consumed by its own thread calling
 ``feed.run()`` on the one shared session, which gives R cores to ONNX Runtime.
+
+The same job with ``feeder.predict`` (``--predict OUTPUT``, :func:`classify_with_predict`): the
+replicas, the loop and the bookkeeping above become one call, and the scores land in Parquet files,
+exactly once, continuing after a crash. The row index no longer needs a pass-through in the model:
+``feeder.predict`` writes kept source columns (``keep=["row_index", "decided"]``) beside the
+outputs of Magika's model as shipped. Its source (:class:`PathFeatures`) gives every path a row,
+so the few files decided without the model (0.6% of the standard library) go through it too, their
+scores unused; and the labels are read back from the output. The ``feed.run()`` loop stays the
+default because it returns labels in memory and scores only the files that need the model.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import errno
+import hashlib
 import importlib.util
 import json
 import multiprocessing
@@ -79,6 +90,7 @@ import numpy as np
 import onnxruntime as ort
 
 import feeder
+from feeder.sources import ShardedSource
 
 MODEL_NAME = "standard_v3_3"
 BYTES_INPUT = "bytes"
@@ -488,6 +500,85 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
     return job.labels  # type: ignore[return-value]
 
 
+# ---- the same job with feeder.predict: scores into Parquet, exactly once, resumable ---------------
+DECIDED = "decided"   # the label of a file decided without the model ("" when the model decides)
+
+
+class PathFeatures(ShardedSource):
+    """Every path as one row: Magika's features (``bytes``), the label decided without the model
+    (``decided``, "" when the model decides) and the path's index (``row_index``). A feeder source
+    (units of ``files_per_chunk`` paths, row keys, exact resume), so ``feeder.predict`` can write
+    its scores exactly once and continue after a crash. Files decided without the model (0.6% of
+    the standard library) still get a row of padding through the model, whose score is unused:
+    ``feeder.predict`` runs the model on every row of its source.
+    """
+
+    NAMES = (BYTES_INPUT, DECIDED, INDEX_INPUT)
+
+    def __init__(self, paths: Sequence[PathLike], cfg: MagikaConfig, files_per_chunk: int = 32):
+        super().__init__(shuffle=False, seed=0, epochs=1)
+        self.paths = [os.fspath(p) for p in paths]
+        self.cfg = cfg
+        self.files_per_chunk = int(files_per_chunk)
+        self._order = [0, 1, 2]
+        n = len(self.paths)
+        self._init_units([min(self.files_per_chunk, n - s) for s in range(0, n, self.files_per_chunk)])
+
+    def feeder_validate(self, input_names: Sequence[str], resume: Optional[dict]) -> None:
+        """Called at registration with the inputs in feeding order: remember it (``_read`` follows it)."""
+        if sorted(input_names) != sorted(self.NAMES):
+            raise ValueError(f"PathFeatures gives the inputs {list(self.NAMES)}, not {list(input_names)}")
+        self._order = [self.NAMES.index(n) for n in input_names]
+        super().feeder_validate(input_names, resume)
+
+    def _definition(self) -> dict:
+        d = super()._definition()
+        d["paths"] = hashlib.sha1("\0".join(self.paths).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        return d
+
+    def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
+        index = int(self._offsets[unit]) + rows
+        feats = np.full((len(rows), self.cfg.width), self.cfg.padding_token, dtype=np.int32)
+        decided = [features_or_label(self.paths[i], self.cfg, feats[k]) or "" for k, i in enumerate(index)]
+        arrays = [feats, np.array(decided, dtype=str), index.astype(np.int64)]
+        return [arrays[k] for k in self._order]
+
+
+def labels_from_output(output: PathLike, total: int, cfg: MagikaConfig) -> List[str]:
+    """The labels of ``total`` paths from a ``feeder.predict`` output of :class:`PathFeatures`."""
+    if not total:
+        return []
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(os.fspath(output), columns=[INDEX_INPUT, DECIDED, SCORES_OUTPUT])
+    index = table[INDEX_INPUT].to_numpy()
+    scores = table[SCORES_OUTPUT].combine_chunks()
+    scores = scores.flatten().to_numpy().reshape(len(scores), scores.type.list_size)
+    labels: List[Optional[str]] = [None] * total
+    for i, decided, label in zip(index.tolist(), table[DECIDED].to_pylist(), cfg.labels_from_scores(scores)):
+        labels[i] = decided or label
+    missing = sum(1 for label in labels if label is None)
+    if missing:
+        raise RuntimeError(f"{missing} paths have no row in {output}")
+    return labels  # type: ignore[return-value]
+
+
+def classify_with_predict(paths: Sequence[PathLike], output: PathLike, *, batch_size: int = 64,
+                          replicas: Optional[int] = None, workers: int = 2, processes: int = 0,
+                          config: Optional[MagikaConfig] = None, overwrite: bool = False,
+                          progress: Optional[bool] = None) -> Tuple[List[str], "feeder.PredictResult"]:
+    """What :func:`classify` returns, the ``feeder.predict`` way: Magika's model as shipped scores
+    every path into Parquet files in ``output`` (columns ``row_index``, ``decided``, ``target_label``),
+    exactly once; killed and called again, it continues where its last commit left off. The labels
+    are then read back from the output."""
+    cfg = config or MagikaConfig()
+    source = PathFeatures(paths, cfg)  # units of 32 paths whatever the batch size, which a resume may change
+    result = feeder.predict(model_path(), source, output, batch_size=batch_size, outputs=[SCORES_OUTPUT],
+                            keep=[INDEX_INPUT, DECIDED], replicas=replicas, num_worker_threads=workers,
+                            num_worker_processes=processes, overwrite=overwrite, progress=progress)
+    return labels_from_output(output, len(source.paths), cfg), result
+
+
 # ---- command line -----------------------------------------------------------------------------
 def list_files(root: str, skip_dirs: Sequence[str] = ()) -> List[str]:
     """Every non-directory entry under ``root`` (symlinks not followed into), sorted."""
@@ -582,6 +673,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--compare-magika", action="store_true",
                         help="also run magika.Magika().identify_paths, time it and list differences")
     parser.add_argument("--model-path", action="store_true", help="print the path of Magika's model and exit")
+    parser.add_argument("--predict", metavar="OUTPUT", default=None,
+                        help="score with feeder.predict into Parquet files in OUTPUT (exactly once; run the same "
+                             "command again after a crash or Ctrl-C to continue) instead of the feed.run() loop")
     args = parser.parse_args(argv)
     if args.model_path:
         print(model_path())
@@ -602,6 +696,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"  batch size {args.batch_size}, {replicas} replica(s) x "
           + (f"{args.processes} worker process(es)" if args.processes else f"{args.workers} fetcher thread(s)"),
           file=sys.stderr)
+    if args.predict is not None:
+        labels, result = classify_with_predict(paths, args.predict, batch_size=args.batch_size, replicas=replicas,
+                                               workers=args.workers, processes=args.processes, config=cfg)
+        print_table(labels, cfg, args.top)
+        print(f"feeder.predict: {result.rows:,} files in {args.predict}, {result.rows_computed:,} scored by this run "
+              f"in {result.seconds:.2f} s ({result.rows_per_s:,.0f} files/s)")
+        if args.compare_magika:
+            compare_with_magika(paths, labels)
+        return
     stats: dict = {}
     labels = classify(paths, workers=args.workers, batch_size=args.batch_size, replicas=replicas, config=cfg,
                       progress=Progress(), stats=stats, processes=args.processes)

@@ -24,12 +24,14 @@ from .api import init_data_input_workers
 from .coordinator import GlobalCoordinator, global_coordinator
 from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError, RemoteError
 from .feed import Feed
+from .predictor import PredictResult, predict  # imports pyarrow only when predict() runs
 from .prometheus import PrometheusLogger  # imports prometheus_client only when one is created
 from .runtime import OrtTrainingModule, StatefulSession
 from .source import ChunkQueue
 
 __all__ = [
-    "init_data_input_workers", "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
+    "init_data_input_workers", "predict", "PredictResult",
+    "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
     "StatefulSession", "OrtTrainingModule", "PrometheusLogger",
     "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError", "RemoteError",
 ]

@@ -13,7 +13,7 @@ Facts this module is built on (measured with onnxruntime 1.31 on CPU):
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -362,3 +362,184 @@ def _onnx_file_inputs(path: str, names: Sequence[str]) -> Dict[str, _Arg]:
             shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
             out[vi.name] = _Arg(vi.name, ort_type, shape)
     return out
+
+
+# ---- batch inference (feeder.predict) -----------------------------------------------------------
+def load_session(path: str) -> Any:
+    """An InferenceSession on the CPU with one intra-op thread: ``feeder.predict`` scales with
+    replicas (one consumer thread each), not with ONNX Runtime's spinning thread pool."""
+    ort = import_onnxruntime()
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def model_signature(session: Any) -> Dict[str, Any]:
+    """Element type and shape of each of a session's inputs and outputs, by name (JSON-able)."""
+    def args(items: Sequence[Any]) -> Dict[str, List[Any]]:
+        return {a.name: [getattr(a, "type", None),
+                         None if getattr(a, "shape", None) is None else [d if isinstance(d, (int, str)) else None
+                                                                          for d in a.shape]] for a in items}
+    return {"inputs": args(session.get_inputs()), "outputs": args(session.get_outputs())}
+
+
+def session_model_bytes(session: Any) -> Optional[bytes]:
+    """The serialized model of an InferenceSession made from bytes, when it kept them."""
+    data = getattr(session, "_model_bytes", None)
+    return data if isinstance(data, bytes) else None
+
+
+def session_model_path(session: Any) -> Optional[str]:
+    """The file an InferenceSession was made from, when it says."""
+    path = getattr(session, "_model_path", None)
+    return path if isinstance(path, str) and path else None
+
+
+class PredictSession:
+    """An InferenceSession as ``feeder.predict``'s replicas run it (feeder's custom-session protocol).
+
+    ``feed_names`` are the inputs the source feeds, in order: the model's inputs, then the kept
+    columns that are not model inputs. :meth:`get_inputs` declares the model's inputs as the model
+    does (so chunks are validated against them), except that a fixed batch dimension is declared
+    free, and the kept columns as unconstrained (any dtype and rank: ids, paths). In the enqueuer
+    thread :meth:`prepare_batch` wraps the model's inputs as OrtValues (padding a short last batch
+    up to a fixed batch dimension); in the consumer thread :meth:`run_batch` binds them and the
+    outputs, runs, and returns the written outputs, then the kept columns, then the row keys.
+
+    Outputs are bound to buffers owned by the calling thread and reused run after run (re-made
+    only when the row count changes), so what :meth:`run_batch` returns is valid until the same
+    thread's next call: the caller copies it out before then. Each thread has its own IOBinding
+    on the one shared session.
+    """
+
+    def __init__(self, session: Any, feed_names: Sequence[str], model_inputs: Sequence[str],
+                 outputs: Sequence[str], kept: Sequence[str]):
+        self._ort = import_onnxruntime()
+        self.session = session
+        self.feed_names = list(feed_names)
+        self.model_inputs = list(model_inputs)
+        self.outputs = list(outputs)
+        self._model_pos = [self.feed_names.index(n) for n in self.model_inputs]
+        self._kept_pos = [self.feed_names.index(n) for n in kept]
+        args = {a.name: a for a in session.get_inputs()}
+        specs = {s.name: s for s in input_specs(session)}
+        fixed: Dict[str, int] = {}
+        for n in self.model_inputs:
+            dims = specs[n].shape
+            if dims and dims[0] is not None:
+                fixed[n] = dims[0]
+        sizes = sorted(set(fixed.values()))
+        if len(sizes) > 1:
+            raise ValueError(f"the model's inputs fix different batch sizes {fixed}; feeder.predict feeds one")
+        self.fixed_batch: Optional[int] = sizes[0] if sizes else None
+        self._inputs: List[Any] = []
+        for name in self.feed_names:
+            arg = args.get(name)
+            if arg is None:
+                self._inputs.append(_Arg(name))  # a kept column: whatever the source gives
+                continue
+            shape: Optional[List[Any]] = None if arg.shape is None else list(arg.shape)
+            if shape and self.fixed_batch is not None:
+                shape[0] = None  # short batches are padded in prepare_batch, never dropped
+            self._inputs.append(_Arg(name, arg.type, shape))
+        outs = {o.name: o for o in session.get_outputs()}
+        self._dtypes: List[Optional[np.dtype]] = []
+        self._row_shapes: List[Optional[Tuple[int, ...]]] = []
+        for name in self.outputs:
+            o = outs[name]
+            dtype = _ORT_TYPES.get(o.type)
+            self._dtypes.append(np.dtype(dtype) if dtype is not None else None)
+            out_dims: List[Any] = list(getattr(o, "shape", None) or [])
+            known = len(out_dims) >= 1 and all(isinstance(d, int) and d >= 0 for d in out_dims[1:])
+            self._row_shapes.append(tuple(int(d) for d in out_dims[1:]) if known else None)
+        # IOBinding needs numeric tensors in and out; a string input or output runs with session.run.
+        self._bind = (callable(getattr(session, "io_binding", None))
+                      and not any(specs[n].is_string for n in self.model_inputs)
+                      and all(d is not None for d in self._dtypes))
+        self._local = threading.local()
+
+    # -- the session protocol feeder uses --
+    def get_inputs(self) -> List[Any]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> List[Any]:
+        return [o for o in self.session.get_outputs() if o.name in self.outputs]
+
+    def _model_arrays(self, batch: PreparedBatch) -> List[np.ndarray]:
+        arrays = [batch.arrays[i] for i in self._model_pos]
+        b = self.fixed_batch
+        if b is not None and batch.rows < b:  # repeat the last row: in-distribution, discarded after the run
+            arrays = [np.concatenate([a, np.repeat(a[-1:], b - batch.rows, axis=0)]) for a in arrays]
+        return arrays
+
+    def prepare_batch(self, batch: PreparedBatch) -> None:
+        """In the enqueuer thread: the model inputs as OrtValues (zero-copy for contiguous arrays)."""
+        if self._bind:
+            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+            batch.ortvalues = [from_numpy(np.ascontiguousarray(a)) for a in self._model_arrays(batch)]
+
+    def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
+        """In a consumer thread: run the model on ``batch``; returns ``outputs + kept + [row keys]``
+        (the outputs are views of this thread's reused buffers)."""
+        n = batch.rows
+        rows = self.fixed_batch if self.fixed_batch is not None and n < self.fixed_batch else n
+        if self._bind:
+            got = self._run_bound(batch, rows, run_options)
+        else:
+            feeds = dict(zip(self.model_inputs, self._model_arrays(batch)))
+            got = list(self.session.run(self.outputs, feeds, run_options))
+        for name, g in zip(self.outputs, got):
+            if getattr(g, "ndim", 0) < 1 or g.shape[0] != rows:
+                raise ValueError(f"model output {name!r} has shape {getattr(g, 'shape', None)} for a batch of {rows} "
+                                 f"rows: feeder.predict writes outputs with one row per input row (choose them "
+                                 f"with outputs=)")
+        if rows != n:
+            got = [g[:n] for g in got]
+        return got + [batch.arrays[i] for i in self._kept_pos] + [batch.keys]
+
+    def _run_bound(self, batch: PreparedBatch, rows: int, run_options: Any) -> List[np.ndarray]:
+        local = self._local
+        binding = getattr(local, "binding", None)
+        if binding is None:
+            binding = local.binding = self.session.io_binding()
+            local.rows = -1
+            local.buffers = None
+        if batch.ortvalues is None:
+            self.prepare_batch(batch)
+        for name, ov in zip(self.model_inputs, batch.ortvalues or ()):
+            binding.bind_ortvalue_input(name, ov)
+        try:
+            if local.rows != rows or local.buffers is None:
+                local.buffers = self._bind_outputs(binding, rows)
+                local.rows = rows
+            if local.buffers is None:  # an output's row shape is not known yet: ONNX Runtime allocates
+                self.session.run_with_iobinding(binding, run_options)
+                got: List[np.ndarray] = binding.copy_outputs_to_cpu()
+                self._row_shapes = [tuple(int(d) for d in g.shape[1:]) if getattr(g, "ndim", 0) >= 1 else None
+                                    for g in got]
+                binding.clear_binding_outputs()
+                local.rows = -1  # bind buffers of the learned shapes from the next batch on
+                return got
+            self.session.run_with_iobinding(binding, run_options)
+            return [buf for buf, _ in local.buffers]
+        finally:
+            binding.clear_binding_inputs()  # the batch's buffers are held by nobody but the feed
+
+    def _bind_outputs(self, binding: Any, rows: int) -> Optional[List[Tuple[np.ndarray, Any]]]:
+        """Bind every output to a fresh buffer of this thread, or to ORT's allocator (None) while
+        some output's row shape is unknown."""
+        binding.clear_binding_outputs()
+        if any(s is None for s in self._row_shapes):
+            for name in self.outputs:
+                binding.bind_output(name)
+            return None
+        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+        buffers = []
+        for name, dtype, shape in zip(self.outputs, self._dtypes, self._row_shapes):
+            assert shape is not None and dtype is not None
+            buf = np.empty((rows,) + shape, dtype)
+            ov = from_numpy(buf)
+            binding.bind_ortvalue_output(name, ov)
+            buffers.append((buf, ov))
+        return buffers

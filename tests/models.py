@@ -66,6 +66,28 @@ def two_input_model(dim: int = 4) -> bytes:
     return _model(graph)
 
 
+def shapes_model(dim: int = 4) -> bytes:
+    """Outputs of several ranks and dtypes from x float32 [N, dim] (dim even): grid float32
+    [N, 2, dim // 2] (x * 2, reshaped), label int64 [N] (argmax of x), half float16 [N, dim] (x)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Mul", ["x", "two"], ["x2"]),
+        helper.make_node("Reshape", ["x2", "grid_shape"], ["grid"]),
+        helper.make_node("ArgMax", ["x"], ["label"], axis=1, keepdims=0),
+        helper.make_node("Cast", ["x"], ["half"], to=TensorProto.FLOAT16),
+    ]
+    graph = helper.make_graph(
+        nodes, "shapes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dim])],
+        [helper.make_tensor_value_info("grid", TensorProto.FLOAT, ["N", 2, dim // 2]),
+         helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
+         helper.make_tensor_value_info("half", TensorProto.FLOAT16, ["N", dim])],
+        initializer=[numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
+                     numpy_helper.from_array(np.array([-1, 2, dim // 2], dtype=np.int64), "grid_shape")])
+    return _model(graph)
+
+
 def session(model: bytes, threads: int = 1):
     """An InferenceSession on the CPU with one intra-op thread (on 2 cores, spinning pool
     threads starve the Python fetchers)."""

@@ -214,3 +214,14 @@ def test_progress_bar_is_quiet_when_stderr_is_not_a_terminal(capsys):
 def test_labels_with_worker_processes_equal_magikas(folder, processes, batch_size, replicas):
     paths = folder * 3
     assert cf.classify(paths, batch_size=batch_size, replicas=replicas, processes=processes) == magika_labels(paths)
+
+
+def test_labels_with_feeder_predict_equal_magikas_and_a_second_call_computes_nothing(folder, tmp_path):
+    pytest.importorskip("pyarrow")
+    paths = folder * 2
+    labels, result = cf.classify_with_predict(paths, tmp_path / "scores", batch_size=4, replicas=2, progress=False)
+    assert labels == magika_labels(paths)
+    assert (result.rows, result.rows_computed) == (len(paths), len(paths))
+    again, second = cf.classify_with_predict(paths, tmp_path / "scores", batch_size=8, progress=False)
+    assert again == labels and (second.rows, second.rows_computed) == (len(paths), 0)
+    assert cf.classify_with_predict([], tmp_path / "none", progress=False)[0] == []

@@ -1,0 +1,581 @@
+"""``feeder.predict``: run an ONNX model over a source into a Parquet dataset, exactly once across crashes.
+
+Usage::
+
+    from feeder.sources import ParquetSource
+
+    result = feeder.predict("model.onnx", ParquetSource("data/"), "scores/", keep=["id"])
+    result.rows, result.rows_computed, result.seconds, result.files
+
+How it runs: one private coordinator; ``replicas`` registrations of the source under the name
+"predict", each consumed by its own thread calling ``feed.run()`` on one
+:class:`~feeder.runtime.PredictSession` (IOBinding on the shared session, one binding and one set
+of reused output buffers per thread); each replica hands its batch's outputs, kept columns and
+row keys to a :class:`~feeder.partwriter.PartWriter`, whose writer thread appends them to Parquet
+part files and commits each part (:mod:`feeder.outputdir`).
+
+Exactly once: the state file (``_feeder_predict.json``, format :data:`STATE_FORMAT`) lists the
+committed parts and holds a source state (``feeder.source-state/1``, as ``coord.state_dict``
+gives it) whose delivered rows are exactly the rows in those parts: it is built from the row keys
+of each part as the part is committed, never from what the replicas were handed. Calling again
+with the same arguments resumes from it (``resume_from=``): committed rows are not fetched
+again, everything else is. The state also records a fingerprint of the model and the options that
+shape the output, so that an output is never continued with another model or other columns.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .api import init_data_input_workers
+from .coordinator import GlobalCoordinator
+from .errors import FeederError
+from .outputdir import PART_RE, STATE_NAME, OutputDir
+from .partwriter import CommittedPart, PartWriter
+from .rowkeys import KeyLedger, merge_ranges, source_state
+from .runtime import (
+    PredictSession,
+    import_onnxruntime,
+    is_session,
+    load_session,
+    model_signature,
+    session_model_bytes,
+    session_model_path,
+)
+from .sources.base import ROW_KEY, ShardedSource, ranges_of
+
+log = logging.getLogger("feeder")
+
+SOURCE_NAME = "predict"
+STATE_FORMAT = "feeder.predict/1"
+PROGRESS_S = 0.2  # how often the calling thread refreshes the progress bar (and checks on the threads)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class PredictResult:
+    """What :func:`predict` did: ``rows`` in the output, ``rows_computed`` by this call, its
+    wall-clock ``seconds``, and the output's part ``files`` (paths, in part order)."""
+
+    rows: int
+    rows_computed: int
+    seconds: float
+    files: List[str]
+
+    @property
+    def rows_per_s(self) -> float:
+        """Rows computed per second of this call."""
+        return self.rows_computed / self.seconds if self.seconds > 0 else 0.0
+
+
+def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
+            batch_size: int = 256,
+            outputs: Optional[Sequence[str]] = None,
+            keep: Sequence[str] = (),
+            replicas: Optional[int] = None,
+            num_worker_threads: Union[int, str] = 2,
+            num_worker_processes: Union[int, str] = 0,
+            mp_context: Any = None,
+            rows_per_file: int = 262_144,
+            overwrite: bool = False,
+            progress: Optional[bool] = None,
+            cast: bool = False,
+            _durable: bool = True) -> PredictResult:
+    """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
+    ``output``, every row exactly once even when a call is killed and called again.
+
+    ``model``: a path to an ONNX file (loaded on the CPU with one intra-op thread) or an
+    ``onnxruntime.InferenceSession`` (used as given). ``source``: a source of ``feeder.sources`` or
+    any fetch function; the model's inputs are fed from the source's inputs of the same names, and
+    ``keep`` names source inputs written beside the predictions (a list-returning fetch function
+    returns the model's inputs in the model's order, then the kept ones that are not model inputs).
+    ``outputs``: model outputs to write (None: all). ``replicas`` consumer threads run the model
+    (None: one per core), each fed by ``num_worker_threads`` fetcher threads or
+    ``num_worker_processes`` worker processes (as in ``init_data_input_workers``). Parts hold
+    ``rows_per_file`` rows (the last fewer); rows are in no particular order (keep an id to join).
+    ``overwrite=True`` starts afresh on an output of another source or model. ``progress``: a tqdm
+    bar on stderr (None: when stderr is a terminal). ``cast=True`` converts safe dtype mismatches
+    of the model's inputs (as in ``init_data_input_workers``). ``_durable=False`` skips the fsyncs
+    and the per-part state (for benchmarks that measure what the commits cost; not crash-safe).
+
+    Raises ValueError, before any row is computed, for a model input or kept input the source
+    lacks, an output the model lacks, an output directory holding files that are not ours, an
+    output of another source definition or model (unless ``overwrite``), an endless source; and
+    ImportError when pyarrow (the ``parquet`` extra) is missing.
+    """
+    t0 = time.perf_counter()
+    _import_pyarrow()
+    _check_args(batch_size, rows_per_file, replicas, overwrite, progress)
+    if not callable(source):
+        raise TypeError(f"source must be a source of feeder.sources or a fetch function, got {type(source).__name__}")
+    if getattr(source, "epochs", 1) is None:
+        raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
+                         f"(epochs=1 scores every row once)")
+    session, model_hash = _open_model(model)
+    plan = _Plan.make(session, source, outputs, keep, batch_size)
+    fingerprint = {**model_signature(session), "sha256": model_hash}
+    options = {"outputs": plan.outputs, "keep": plan.keep}
+    out = OutputDir(output)
+    out.open()
+    try:
+        job = _Job(out, plan, source, fingerprint, options, durable=_durable)
+        finished = job.prepare(overwrite)
+        if finished:
+            return PredictResult(job.rows, 0, time.perf_counter() - t0, job.files())
+        nrep = replicas if replicas is not None else _cores()
+        counts = dict(num_worker_threads=num_worker_threads, num_worker_processes=num_worker_processes,
+                      mp_context=mp_context, cast=cast)
+        computed = job.run(nrep, batch_size, rows_per_file, counts, progress)
+        return PredictResult(job.rows, computed, time.perf_counter() - t0, job.files())
+    finally:
+        out.close()
+
+
+# ---- arguments -------------------------------------------------------------------------------------
+def _import_pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as e:
+        raise ImportError("feeder.predict writes Parquet and needs pyarrow: pip install 'feeder[parquet]' "
+                          "(or pip install pyarrow)") from e
+    return pyarrow
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_args(batch_size: Any, rows_per_file: Any, replicas: Any, overwrite: Any, progress: Any) -> None:
+    _positive("batch_size", batch_size)
+    _positive("rows_per_file", rows_per_file)
+    if replicas is not None:
+        _positive("replicas", replicas)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
+
+
+def _names(what: str, value: Any) -> List[str]:
+    """A list of distinct names; a single str is one name (``keep="id"``)."""
+    if isinstance(value, str):
+        value = [value]
+    if not hasattr(value, "__iter__"):
+        raise TypeError(f"{what} must be a list of names, got {type(value).__name__}")
+    names = list(value)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{what} must hold str names, got {n!r}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what} names {dupes} more than once")
+    return names
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _open_model(model: Any) -> Tuple[Any, Optional[str]]:
+    """(session, sha256 of the model's bytes when known)."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such ONNX model file: {path!r}")
+        import_onnxruntime()
+        return load_session(path), _sha256_file(path)
+    if isinstance(model, bytes) or not is_session(model) or not callable(getattr(model, "get_outputs", None)):
+        raise TypeError(f"model must be a path to an ONNX file or an onnxruntime.InferenceSession, "
+                        f"got {type(model).__name__}")
+    data = session_model_bytes(model)
+    if data is not None:
+        return model, hashlib.sha256(data).hexdigest()
+    path = session_model_path(model)
+    return model, _sha256_file(path) if path is not None and os.path.isfile(path) else None
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class _Plan:
+    """Which names go where: the source's inputs (``feed_names``), the model's, the written columns."""
+
+    adapter: PredictSession
+    feed_names: List[str]
+    outputs: List[str]
+    keep: List[str]
+    keyed: bool
+
+    @property
+    def columns(self) -> List[str]:
+        """The output's columns: the kept inputs first (an id reads best on the left), then outputs."""
+        return self.keep + self.outputs
+
+    @classmethod
+    def make(cls, session: Any, source: Any, outputs: Optional[Sequence[str]], keep: Sequence[str],
+             batch_size: int) -> "_Plan":
+        model_inputs = [a.name for a in session.get_inputs()]
+        model_outputs = {o.name: o for o in session.get_outputs()}
+        out_names = list(model_outputs) if outputs is None else _names("outputs", outputs)
+        if not out_names:
+            raise ValueError("outputs names no model output: nothing to write")
+        unknown = [n for n in out_names if n not in model_outputs]
+        if unknown:
+            raise ValueError(f"outputs {unknown} are not outputs of the model (its outputs: {list(model_outputs)})")
+        for n in out_names:
+            o = model_outputs[n]
+            kind = getattr(o, "type", None) or ""
+            if not kind.startswith("tensor("):
+                raise ValueError(f"model output {n!r} is a {kind}, not a tensor: feeder.predict writes tensors "
+                                 f"(choose them with outputs=)")
+            shape = getattr(o, "shape", None)
+            if shape is not None and len(shape) == 0:
+                raise ValueError(f"model output {n!r} is a scalar per run, not one value per row "
+                                 f"(choose per-row outputs with outputs=)")
+        kept = _names("keep", keep)
+        clash = [n for n in kept if n in out_names]
+        if clash:
+            raise ValueError(f"keep {clash} has the name of a written model output: each column needs its own name")
+        if ROW_KEY in model_inputs + kept:
+            raise ValueError(f"{ROW_KEY!r} is reserved for feeder's row keys")
+        feed_names = model_inputs + [k for k in kept if k not in model_inputs]
+        _check_source_inputs(source, model_inputs, kept, feed_names)
+        adapter = PredictSession(session, feed_names, model_inputs, out_names, kept)
+        if adapter.fixed_batch is not None and batch_size != adapter.fixed_batch:
+            raise ValueError(f"the model's batch dimension is fixed at {adapter.fixed_batch} rows; pass "
+                             f"batch_size={adapter.fixed_batch} (a short last batch is padded, never dropped)")
+        return cls(adapter, feed_names, out_names, kept, bool(getattr(source, "feeder_row_keys", False)))
+
+
+def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], feed_names: List[str]) -> None:
+    """ValueError naming a model input or kept input the source lacks, where the source can tell
+    (a plain fetch function is checked at its first chunk, before the model runs)."""
+    from .sources.arrays import ArraySource
+    from .sources.parquet import ParquetSource
+
+    names: Optional[List[str]] = None
+    if isinstance(source, ArraySource) and source.names is not None:
+        names = list(source.names)
+    elif isinstance(source, ParquetSource) and source.columns is not None:
+        names = list(source.columns)
+    if names is not None:
+        missing = [n for n in model_inputs if n not in names]
+        if missing:
+            raise ValueError(f"model input(s) {missing} are not inputs of the {type(source).__name__} "
+                             f"(it has {names})")
+        missing = [n for n in kept if n not in names]
+        if missing:
+            raise ValueError(f"keep names {missing}, which are not inputs of the {type(source).__name__} "
+                             f"(it has {names})")
+        extra = [n for n in names if n not in feed_names]
+        if extra:
+            raise ValueError(f"the {type(source).__name__} has inputs {extra} that are neither model inputs nor "
+                             f"kept: keep them (keep={kept + extra}) or leave them out of the source")
+    validate = getattr(source, "feeder_validate", None)
+    if validate is not None:
+        # The source's own check (a ParquetSource reads its files' schemas): a ValueError naming
+        # the missing column. Registration repeats it; it is idempotent.
+        validate(tuple(feed_names), None)
+
+
+# ---- the job -----------------------------------------------------------------------------------------
+class _Job:
+    """One call's work on one output directory: check and recover it, run, commit."""
+
+    def __init__(self, out: OutputDir, plan: _Plan, source: Any, fingerprint: Dict[str, Any],
+                 options: Dict[str, Any], *, durable: bool):
+        self.out = out
+        self.plan = plan
+        self.source = source
+        self.fingerprint = fingerprint
+        self.options = options
+        self.durable = durable
+        self.parts: List[Dict[str, Any]] = []
+        self.rows = 0
+        self.resume: Optional[Dict[str, Any]] = None
+        self._ranges = np.zeros((0, 2), np.int64)
+        self._fresh = True
+
+    def files(self) -> List[str]:
+        return [self.out.join(p["file"]) for p in self.parts]
+
+    # -- before anything runs --
+    def prepare(self, overwrite: bool) -> bool:
+        """Check the output directory and its state; True when it is already complete."""
+        found = self.out.scan()
+        self.out.refuse_foreign(found)  # again, now under the lock
+        if not found.state:
+            if found.parts:
+                raise ValueError(f"output {self.out.path!r} holds part files ({sorted(found.parts.values())[:3]}) but "
+                                 f"no {STATE_NAME}, so feeder.predict did not write them (it writes its state before "
+                                 f"the first part); use another directory")
+            return False
+        if overwrite:
+            return False  # start afresh: run() replaces the state, then removes the old parts
+        state = self.out.read_state()
+        self._check_state(state)
+        self.parts = list(state["parts"])
+        self.rows = int(state["rows"])
+        self.resume = state["source"]
+        self._ranges = ranges_of(self.resume)
+        self._fresh = False
+        total = self._total()
+        if total is not None and self.rows > total:
+            raise ValueError(f"output {self.out.path!r} holds {self.rows} rows, more than this source's {total} "
+                             f"(fewer epochs?); pass overwrite=True to start afresh (it removes that output)")
+        # Complete only while the source has no more rows: a source given more epochs continues.
+        return bool(state.get("complete")) and (total is None or self.rows == total)
+
+    def _check_state(self, state: Dict[str, Any]) -> None:
+        where = f"output {self.out.path!r}"
+        afresh = "pass overwrite=True to start afresh (it removes that output)"
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"{where}: {STATE_NAME} has format {state.get('format')!r}, not {STATE_FORMAT!r} (another "
+                             f"version of feeder?); {afresh}")
+        if not state.get("resumable"):
+            raise ValueError(f"{where} was written from a fetch function without row keys, so it cannot be continued "
+                             f"or checked; {afresh}")
+        if not self.plan.keyed:
+            raise ValueError(f"{where} exists, and this source ({type(self.source).__name__}) has no row keys, so it "
+                             f"cannot continue it; {afresh}")
+        diffs = _differences("model", state.get("model") or {}, self.fingerprint)
+        diffs += _differences("option", state.get("options") or {}, self.options)
+        src = state.get("source")
+        if not isinstance(src, dict) or src.get("format") is None:
+            raise ValueError(f"{where}: {STATE_NAME} holds no source state; {afresh}")
+        definition = getattr(self.source, "feeder_definition", None)
+        mine = definition() if definition is not None else {}
+        diffs += _differences("source", src.get("definition") or {}, mine)
+        if diffs:
+            raise ValueError(f"{where} was written from another source definition or model: " + "; ".join(diffs)
+                             + f"; {afresh}")
+        parts = state.get("parts")
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and {"file", "rows", "bytes"} <= set(p)
+                                                  for p in parts):
+            raise ValueError(f"{where}: {STATE_NAME} does not list its parts; {afresh}")
+        for p in parts:
+            if not isinstance(p["file"], str) or not PART_RE.match(p["file"]):
+                raise ValueError(f"{where}: {STATE_NAME} lists {p['file']!r}, which is not a part file; {afresh}")
+            path = self.out.join(p["file"])
+            size = os.path.getsize(path) if os.path.isfile(path) else None
+            if size != p["bytes"]:
+                got = "missing" if size is None else f"{size} bytes, not {p['bytes']}"
+                raise ValueError(f"{where} is damaged: its committed part {p['file']} is {got}; {afresh}")
+
+    # -- the run --
+    def run(self, replicas: int, batch_size: int, rows_per_file: int, counts: Dict[str, Any],
+            progress: Optional[bool]) -> int:
+        """Compute every row not yet committed; returns how many rows this call computed."""
+        plan = self.plan
+        coord = GlobalCoordinator()
+        try:
+            for _ in range(replicas):  # registration checks everything the source and feeder can
+                init_data_input_workers(plan.adapter, plan.feed_names, self.source, batch_size,
+                                        input_source_name=SOURCE_NAME, coordinator=coord, resume_from=self.resume,
+                                        **counts)
+        except BaseException:
+            coord.stop()
+            raise
+        try:
+            # Only now is anything written: a fresh state before the first part (a directory with parts
+            # and no state is never ours), then whatever the state does not commit is deleted.
+            if self._fresh:
+                self.parts, self.rows, self._ranges = [], 0, np.zeros((0, 2), np.int64)
+                self.out.write_state(self._state(complete=False), durable=self.durable)
+            removed = self.out.recover({p["file"] for p in self.parts})
+            if removed:
+                log.info("feeder.predict: %s: removed %d file(s) that no commit covers: %s", self.out.path,
+                         len(removed), removed[:5])
+            first = 1 + max((_part_index(p["file"]) for p in self.parts), default=-1)
+            writer = PartWriter(self.out, plan.columns, rows_per_file=rows_per_file, first_part=first,
+                                on_commit=self._on_commit, keyed=plan.keyed, durable=self.durable)
+        except BaseException:
+            coord.stop()
+            raise
+        return _Replicas(coord, writer, plan, self._todo(), progress).run()
+
+    def _total(self) -> Optional[int]:
+        """The rows of the whole source, when it can tell (a sharded source: rows x epochs)."""
+        epochs = getattr(self.source, "epochs", None)
+        if isinstance(self.source, ShardedSource) and isinstance(epochs, int):
+            return len(self.source) * epochs
+        return None
+
+    def _todo(self) -> Optional[int]:
+        """Rows still to compute, when the source can tell."""
+        total = self._total()
+        return None if total is None else max(0, total - self.rows)
+
+    def _on_commit(self, part: Optional[CommittedPart], keys: Optional[np.ndarray], final: bool) -> None:
+        """In the writer thread, once ``part`` is durable under its final name: record it in the state."""
+        if part is not None:
+            self.parts.append({"file": part.name, "rows": part.rows, "bytes": part.nbytes})
+            self.rows += part.rows
+            if self.plan.keyed:
+                self._ranges, twice = merge_ranges(self._ranges, keys)
+                covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
+                if twice or covered != self.rows:  # a bug, never a user's error: refuse to commit it
+                    raise FeederError(f"feeder.predict: the committed parts hold {self.rows} rows but their row keys "
+                                      f"cover {covered} ({twice} twice); the output is left at its last commit")
+        if final:
+            expected = self._todo()
+            if expected is not None and expected != 0:
+                raise FeederError(f"feeder.predict: the source ended with {self.rows} rows committed, "
+                                  f"{expected} short of its {len(self.source)} rows x {self.source.epochs} epochs")
+        if self.durable or final:
+            self.out.write_state(self._state(complete=final), durable=self.durable)
+
+    def _state(self, complete: bool) -> Dict[str, Any]:
+        src = None
+        if self.plan.keyed:
+            src = source_state(SOURCE_NAME, KeyLedger(SOURCE_NAME, self._ranges), self.source)
+        return {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
+                "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
+                "source": src}
+
+
+def _part_index(name: str) -> int:
+    return int(name[len("part-"):-len(".parquet")])
+
+
+def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any], depth: int = 1) -> List[str]:
+    """``what key: the output has X, this call Y`` for every key whose values differ (as JSON sees
+    them), going ``depth`` levels into dicts so that the message names the input or output that
+    differs. A model hash that one side does not know is not compared."""
+    out = []
+    for key in sorted(set(theirs) | set(mine)):
+        a, b = _jsonish(theirs.get(key)), _jsonish(mine.get(key))
+        if key == "sha256" and (a is None or b is None):
+            continue
+        if a == b:
+            continue
+        if depth > 0 and isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(f"{what} {key}", a, b, depth - 1)
+        else:
+            out.append(f"{what} {key}: the output has {_short(a)}, this call {_short(b)}")
+    return out
+
+
+def _jsonish(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_jsonish(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonish(x) for k, x in v.items()}
+    return v
+
+
+def _short(v: Any, limit: int = 200) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- replicas and progress ------------------------------------------------------------------------------
+class _Replicas:
+    """The replica threads, the calling thread's watch over them, and the end of a run."""
+
+    def __init__(self, coord: GlobalCoordinator, writer: PartWriter, plan: _Plan, todo: Optional[int],
+                 progress: Optional[bool]):
+        self.coord = coord
+        self.writer = writer
+        self.plan = plan
+        self.todo = todo
+        self.progress = progress
+        self.errors: List[BaseException] = []
+        self.wake = threading.Event()
+
+    def _replica(self, feed: Any) -> None:
+        writer, keyed = self.writer, self.plan.keyed
+        try:
+            while True:
+                try:
+                    got = feed.run()
+                except StopIteration:
+                    return
+                # outputs, kept, keys -> the part's columns (kept first), copied before the next run
+                n_out = len(self.plan.outputs)
+                writer.add(got[n_out:-1] + got[:n_out], got[-1] if keyed else None)
+        except BaseException as e:  # re-raised by the calling thread
+            self.errors.append(e)
+        finally:
+            self.wake.set()
+
+    def run(self) -> int:
+        coord, writer = self.coord, self.writer
+        threads: List[threading.Thread] = []
+        bar = None
+        ok = False
+        try:
+            coord.start()
+            feeds = coord.feeds(SOURCE_NAME)
+            threads = [threading.Thread(target=self._replica, args=(f,), name=f"feeder:{SOURCE_NAME}:replica-{i}",
+                                        daemon=True) for i, f in enumerate(feeds)]
+            for t in threads:
+                t.start()
+            bar = _progress_bar(self.progress, self.todo)
+            while any(t.is_alive() for t in threads) and not self.errors and writer.failure is None:
+                self.wake.wait(PROGRESS_S)
+                self.wake.clear()
+                if bar is not None:
+                    bar.update(writer.rows_added - bar.n)
+            if self.errors and writer.failure is None:  # a replica's own failure (the writer's is raised below)
+                raise self.errors[0]
+            writer.finish()  # the last part, and the state that says the output is complete
+            if bar is not None:
+                bar.update(writer.rows_added - bar.n)
+            for i, feed in enumerate(feeds):
+                log.info("feeder.predict replica %d: %s", i, feed.diagnose())
+            ok = True
+            return writer.rows_committed
+        finally:
+            if bar is not None:
+                bar.close()
+            coord.stop()  # wakes replicas still waiting for a batch (FeedStopped)
+            deadline = time.monotonic() + coord.join_timeout
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            if not ok:
+                writer.abort()  # the part being written is dropped; the output stays at its last commit
+
+
+def _progress_bar(progress: Optional[bool], total: Optional[int]) -> Any:
+    """A tqdm bar on stderr (rows, rows/s, ETA when the total is known), or None."""
+    if progress is False:
+        return None
+    if progress is None:
+        try:
+            if sys.stderr is None or not sys.stderr.isatty():
+                return None
+        except (AttributeError, ValueError):
+            return None
+    try:
+        tqdm = importlib.import_module("tqdm").tqdm  # the `examples` / `test` extras; without it, no bar
+    except ImportError:
+        if progress:
+            log.warning("feeder.predict: progress=True needs tqdm (pip install tqdm); no progress bar")
+        return None
+    return tqdm(total=total, unit="row", unit_scale=True, desc="feeder.predict", file=sys.stderr,
+                mininterval=PROGRESS_S, dynamic_ncols=True)
