@@ -372,7 +372,9 @@ def arm_lifeline(read_end: Connection, close_fds: Sequence[int], death_ppid: Opt
     fcntl.fcntl(r, fcntl.F_SETOWN, os.getpid())
     fcntl.fcntl(r, getattr(fcntl, "F_SETSIG", F_SETSIG), signal.SIGKILL)
     fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
-    if select.select([r], [], [], 0)[0]:  # nobody writes: readable means the main process died already
+    poller = select.poll()  # not select(): a "fork" child's descriptor numbers may pass FD_SETSIZE
+    poller.register(r, select.POLLIN | select.POLLHUP)
+    if poller.poll(0):  # nobody writes: readable means the main process died already
         os._exit(1)
 
 

@@ -750,6 +750,37 @@ def test_a_segment_that_is_not_sealed_is_refused_with_a_fetch_error():
     assert "failed" in out and "worker 0" in out and "sealed" in out, out + err[-2000:]
 
 
+def test_the_parent_refuses_segments_and_layouts_it_cannot_trust(tmp_path):
+    from feeder import shm
+
+    device = shm.memory_device()
+    sealed = shm.new_fd(shm.GRANULE)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, shm.GRANULE)
+    r, w = os.pipe()
+    with open(tmp_path / "f", "wb") as f:
+        f.truncate(shm.GRANULE)
+        try:
+            shm.check_segment(sealed, shm.GRANULE, device)  # fine
+            for fd, size, what in [(sealed, 2 * shm.GRANULE, "said to hold"), (unsealed, shm.GRANULE, "not sealed"),
+                                   (r, 1, "not a memory file"), (f.fileno(), 1, "not a memory file")]:
+                with pytest.raises(shm.SegmentError, match=what):
+                    shm.check_segment(fd, size, device)
+            with pytest.raises(PermissionError):
+                os.ftruncate(sealed, 0)  # what the seal is for
+        finally:
+            for fd in (sealed, unsealed, r, w):
+                os.close(fd)
+    mem = bytearray(1024)
+    arrays, base = shm.arrays_from_slot(mem, [("shm", 64, "<f4", (4, 2)), ("shm", 0, "<f4", (3, 0))], 128)
+    assert arrays[0].shape == (4, 2) and arrays[1].shape == (3, 0) and base is not None
+    for layout, total in [([("shm", 1000, "<f4", (4, 2))], 1024), ([("shm", 0, "<f4", (4, 2))], 2048),
+                          ([("shm", -8, "<f4", (2,))], 64), ([("shm", 0, "O", (2,))], 64),
+                          ([("shm", 0, "<f4", (-1,))], 64), ([("mmap", 0)], 64)]:
+        with pytest.raises(shm.SegmentError):
+            shm.arrays_from_slot(mem, layout, total)
+
+
 # ---- sending functions to processes (cloudpickle) ------------------------------------------------
 def test_a_function_defined_in_python_c_runs_in_processes():
     proc = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
