@@ -566,7 +566,8 @@ def test_chunks_of_zero_byte_arrays_only(coord, mode):
 
 def test_a_consumer_keeping_every_batch_needs_no_descriptor_per_batch():
     """A slot mapped with mmap.mmap kept a descriptor for as long as it stayed mapped, in the parent and
-    in the child: under the common limit of 1,024 open files, list(feed) failed with EMFILE."""
+    in the child: under the common limit of 1,024 open files, list(feed) failed with EMFILE. Each
+    child, holding some 500 slots here, may have 256 descriptors open."""
     proc = spawn("""
         import resource
         if __name__ == "__main__":
@@ -574,7 +575,8 @@ def test_a_consumer_keeping_every_batch_needs_no_descriptor_per_batch():
             resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
             n = 3 * 800 * 10
             coord = feeder.init_data_input_workers(None, ["id", "x"], utils.Sharded(n, 3, sizes=(10,)), 10,
-                                                   num_worker_processes=3, coordinator=feeder.GlobalCoordinator())
+                                                   num_worker_processes=3, worker_init_fun=utils.limit_open_files,
+                                                   coordinator=feeder.GlobalCoordinator())
             coord.start()
             kept = [b["id"] for b in coord.feed("train")]
             assert sorted(np.concatenate(kept).tolist()) == list(range(n))

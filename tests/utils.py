@@ -435,3 +435,10 @@ def counted_fetch(counter, queue=None):
         return [np.full(4, worker_id, np.int64)]
 
     return fetch
+
+
+def limit_open_files(worker_id: int) -> None:
+    """A worker_init_fun: this process may have 256 descriptors open (a process holds far fewer
+    than its hundreds of slots)."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
