@@ -361,7 +361,7 @@ def arm_lifeline(read_end: Connection, close_fds: Sequence[int], death_ppid: Opt
     if death_ppid is not None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass
         if os.getppid() != death_ppid:
@@ -370,7 +370,7 @@ def arm_lifeline(read_end: Connection, close_fds: Sequence[int], death_ppid: Opt
 
     r = read_end.fileno()
     fcntl.fcntl(r, fcntl.F_SETOWN, os.getpid())
-    fcntl.fcntl(r, getattr(fcntl, "F_SETSIG", F_SETSIG), signal.SIGKILL)
+    fcntl.fcntl(r, getattr(fcntl, "F_SETSIG", F_SETSIG), int(signal.SIGKILL))
     fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
     poller = select.poll()  # not select(): a "fork" child's descriptor numbers may pass FD_SETSIZE
     poller.register(r, select.POLLIN | select.POLLHUP)
