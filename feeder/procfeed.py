@@ -685,6 +685,10 @@ class ProcFetchers:
                     if msg[0] == "chunk" and msg[7]:
                         for fd in chan.recv_fds(1):
                             os.close(fd)
+                    elif msg[0] == "hello":  # it started after the failure: its control page is not needed
+                        w.pid = msg[1]
+                        for fd in chan.recv_fds(2):
+                            os.close(fd)
                     elif msg[0] == "error" and w.control is not None:
                         w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
             except (EOFError, OSError):
