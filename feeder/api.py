@@ -12,9 +12,10 @@ import numpy as np
 from .chunks import InputSpec, fixed_batch_inputs
 from .coordinator import GlobalCoordinator, global_coordinator
 from .feed import Feed, check_batch_size
-from .procfeed import ProcessOptions, check_picklable, get_context
+from .procfeed import ProcessOptions, get_context
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
+from .sending import check_sendable
 from .source import ChunkQueue
 
 log = logging.getLogger("feeder")
@@ -98,9 +99,11 @@ def init_data_input_workers(
     ``num_worker_processes=N`` (> 0, or ``"auto"``) runs ``fetch_fun`` in N worker processes
     instead of threads (started with ``mp_context``: default "forkserver", else "spawn"); each
     runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
-    worker_id)``. Chunks come back through shared memory (see README, "Worker processes").
-    ``num_worker_threads`` is then ignored (a value other than the default is logged as such):
-    only ``num_worker_processes="auto"`` lets the tuner choose how many processes run.
+    worker_id)``. ``fetch_fun`` and ``worker_init_fun`` travel with cloudpickle (lambdas and
+    closures too); one that cannot be sent at all is a TypeError here. Chunks come back through
+    shared memory (see README, "Worker processes"). ``num_worker_threads`` is then ignored (a
+    value other than the default is logged as such): only ``num_worker_processes="auto"`` lets
+    the tuner choose how many processes run.
 
     Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
     arguments raise TypeError or ValueError here, naming the argument.
@@ -138,8 +141,8 @@ def init_data_input_workers(
         if seed is not None:
             seed = _int("seed", seed, -(2**63))  # any int, as random.seed takes
         ctx = get_context(mp_context)
-        check_picklable("fetch_fun", fetch_fun, ctx)
-        check_picklable("worker_init_fun", worker_init_fun, ctx)
+        check_sendable("fetch_fun", fetch_fun, ctx)
+        check_sendable("worker_init_fun", worker_init_fun, ctx)
         processes = ProcessOptions(context=ctx, worker_init_fun=worker_init_fun, seed=seed)
     elif worker_init_fun is not None or mp_context is not None or seed is not None:
         raise ValueError("worker_init_fun, mp_context and seed apply to worker processes only "

@@ -220,6 +220,11 @@ class GlobalCoordinator:
             log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",
                         len(stragglers), ", ".join(t.name for t in stragglers),
                         "".join("\n  " + d for d in details))
+        for feed in feeds:  # processes, shared memory, descriptors: now, not when the GC runs
+            feed._release()
+        if not stragglers:  # no thread uses the feeds' callbacks any more
+            for q in queues:
+                q.detach()
         return not stragglers
 
     def __enter__(self) -> "GlobalCoordinator":

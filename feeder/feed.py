@@ -23,7 +23,7 @@ from .chunks import ChunkValidator, InputSpec
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .feedreport import FeedReports
 from .metrics import ConsumerCounters, RateMeter
-from .procfeed import ProcessOptions, ProcFetchers
+from .procfeed import STACK_LEAD_S, ProcessOptions, ProcFetchers
 from .ready import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .rowkeys import public_names, split_keys
@@ -189,6 +189,11 @@ class Feed(FeedReports):
         self._stopped = True
         self._stop.set()
         self._fetchers.signal_stop(deadline)
+
+    def _release(self) -> None:
+        """At stop, once its threads were joined: release what the fetchers hold of the system
+        (worker processes, shared memory, descriptors) now, not when the garbage collector runs."""
+        self._fetchers.close()
 
     def _threads(self) -> List[threading.Thread]:
         threads = list(self._fetchers.threads())
@@ -360,6 +365,7 @@ class Feed(FeedReports):
             # A producer held back by max_buffered_bytes may be what this consumer waits for.
             self.source.notify_room()
             warned = False
+            asked = False  # for the fetchers' stacks, a little before the deadline (feeder.procfeed)
             while True:
                 if self._stopped:
                     self._check_usable()
@@ -367,7 +373,10 @@ class Feed(FeedReports):
                 if self._ended:
                     raise StopIteration
                 remaining = deadline - time.monotonic()
-                item = self._ready.get(max(0.0, min(SLICE_S, remaining)))
+                if not asked and remaining <= STACK_LEAD_S:
+                    asked = True
+                    self._fetchers.request_stacks()
+                item = self._ready.get(max(0.0, min(SLICE_S, remaining if asked else remaining - STACK_LEAD_S)))
                 if item is not None:
                     got = True  # the wait ends when the caller counts the batch (counters.took)
                     return item

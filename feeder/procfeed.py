@@ -16,16 +16,37 @@ is gone. The receiver is also where the child's failures become the source's fai
   naming worker id, pid and exit code or signal; the channel reaches end-of-file at once, so
   this takes milliseconds, and ``is_alive`` is checked every ``SLICE_S`` as well.
 
+* a source that failed (this worker, another one, or a bad chunk): the receiver sets the
+  child's STOP flag, so no process of a failed source calls ``fetch_fun`` again (the child
+  waits for the parent's verdict after each exception, see ``feeder.procworker``);
+* a segment or layout the parent cannot trust (``feeder.shm.SegmentError``: not sealed against
+  shrinking, smaller than said, an offset outside it): ``FetchError`` naming the worker, never a
+  crash of the parent.
+
 Stop (``signal_stop``) asks politely (flag and message; the child's control thread ends the
 process within ``STOP_GRACE_S`` even when ``fetch_fun`` hangs), then a *reaper* thread sends
 SIGTERM and SIGKILL to what is left, against the coordinator's one join budget, and joins
-every process so none is left as a zombie.
+every process so none is left as a zombie; ``close()`` then releases the processes, control
+pages, lifelines and descriptors at once, not when the garbage collector gets to them.
+
+Starting a process (``start``): ``fetch_fun`` and ``worker_init_fun`` travel with cloudpickle
+(``feeder.sending``); each child gets the read end of its own *lifeline* pipe, whose write end
+only this (main) process holds, so the kernel kills the child when this process dies (see
+``feeder.procworker.arm_lifeline``); and a Ctrl-C while they start gives one
+``KeyboardInterrupt``, in the parent, once every process is started and known (``_ctrl_c_held``),
+and no traceback from any child: with "spawn" and "fork" the starting thread blocks SIGINT
+while a child is made (the child inherits the mask, ignores SIGINT, then unblocks it), and with
+"spawn" and "forkserver" the child's name, which multiprocessing unpickles first of all, before
+re-importing the main module, sets SIGINT to "ignore" as it is unpickled (``_ChildName``). The
+forkserver itself is never started with SIGINT blocked: the user's other processes are its
+children too.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import mmap
 import multiprocessing
+import operator
 import os
 import pickle
 import secrets
@@ -34,13 +55,30 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .chunks import ChunkValidator
 from .errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from .procworker import worker_main
-from .shm import ACKED, BATCH_SIZE, GO, MAX_SLOTS, STOP, Channel, ControlPage, arrays_from_slot, map_fd
+from .sending import Sendable
+from .shm import (
+    ACKED,
+    BATCH_SIZE,
+    CONTROL_BYTES,
+    GO,
+    MAX_SLOTS,
+    STOP,
+    VERDICTS,
+    Channel,
+    ControlPage,
+    SegmentError,
+    arrays_from_slot,
+    check_segment,
+    map_fd,
+    memory_device,
+)
 from .source import Chunk, ChunkQueue
 from .tuning import Throttle
 from .workers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
@@ -52,9 +90,17 @@ DEATH_JOIN_S = 1.0      # a child whose channel closed gets this long to report 
 # has MAX_SLOTS of them: past this many held, chunks are copied out of their slot at once (the slot
 # comes back) instead of being handed on as views, so hoarding costs a copy, never a deadlock.
 HOARD_SLOTS = MAX_SLOTS // 2
-STACK_WAIT_S = 0.5      # a diagnosis waits this long in all for the children's stacks
+# A FeedTimeout may come at most a tenth of a second after its timeout, stacks included: a
+# consumer asks the children for their stacks STACK_LEAD_S before its deadline, and at the
+# deadline a diagnosis waits at most STACK_WAIT_S in all: first for the control threads' answers,
+# then, from those that did not answer (C code holding the GIL), for faulthandler's dump.
+STACK_LEAD_S = 0.1
+STACK_WAIT_S = 0.06
+REPLY_WAIT_S = 0.03     # of STACK_WAIT_S, the most spent waiting for answers
 DEFAULT_STOP_S = 5.0    # the reaper's budget when the caller gives no deadline
-PRELOAD = ["feeder.procworker"]  # imported once in the forkserver, so each child starts in milliseconds
+# Imported once in the forkserver, so each child starts in milliseconds (cloudpickle: for functions
+# sent by value).
+PRELOAD = ["feeder.procworker", "cloudpickle"]
 
 
 @dataclass(frozen=True)
@@ -85,24 +131,58 @@ def get_context(mp_context: Any) -> BaseContext:
     return ctx
 
 
-class _NullWriter:
-    def write(self, data: Any) -> int:
-        return len(data)
+class _SigintIgnored:
+    """Unpickled in a child: SIGINT ignored (see _ChildName)."""
+
+    def __reduce__(self) -> Any:
+        return signal.signal, (int(signal.SIGINT), signal.SIG_IGN)
 
 
-def check_picklable(what: str, obj: Any, context: BaseContext) -> None:
-    """TypeError naming ``what`` if ``obj`` cannot be pickled (as spawn and forkserver need). Array
-    buffers are not copied (protocol 5, out of band), so a big source costs little to check."""
-    if obj is None or context.get_start_method() == "fork":
-        return
+class _SigintUnblocked:
+    """Unpickled in a child: SIGINT unblocked (a Ctrl-C pending meanwhile is then discarded)."""
+
+    def __reduce__(self) -> Any:
+        return signal.pthread_sigmask, (signal.SIG_UNBLOCK, (int(signal.SIGINT),))
+
+
+class _ChildName(str):
+    """A worker process's name. "spawn" and "forkserver" children unpickle their name before
+    anything else, before they re-import the main module (which may take long: imports): this one
+    unpickles as the plain name after setting SIGINT to "ignore" and unblocking it, so a Ctrl-C
+    meanwhile gives no traceback in every child. Only the standard library is needed for that
+    (importing feeder, hence numpy, before the main module would change what it sets up)."""
+
+    def __reduce__(self) -> Any:
+        return operator.itemgetter(2), ((_SigintIgnored(), _SigintUnblocked(), str(self)),)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held(block: bool) -> Iterator[None]:
+    """A Ctrl-C held back for the duration, then delivered (none is lost): the processes are all
+    started and known by then, so none is left half-started. From the main thread, SIGINT's
+    handler records it meanwhile (blocking it here would not do: the kernel hands a process's
+    SIGINT to any thread that does not block it, and Python raises it in the main thread). With
+    ``block``, SIGINT is also blocked in this thread, so that a child forked meanwhile ("spawn",
+    "fork") is born with it blocked (see the module docstring)."""
+    got: List[Any] = []
+    handler: Any = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            handler = signal.signal(signal.SIGINT, lambda signum, frame: got.append((signum, frame)))
+        except ValueError:  # not the main interpreter
+            handler = None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
     try:
-        pickle.Pickler(_NullWriter(), protocol=5, buffer_callback=lambda b: False).dump(obj)
-    except Exception as e:
-        raise TypeError(
-            f"{what} {obj!r} cannot be pickled, and worker processes started with "
-            f"{context.get_start_method()!r} need it pickled ({type(e).__name__}: {e}). Use a module-level "
-            f"function or an instance of a module-level class (not a lambda, closure or bound method of an "
-            f"object holding locks, files or sessions), or mp_context='fork'") from e
+        yield
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+            if got and callable(handler):
+                handler(*got[0])  # Python's default raises KeyboardInterrupt here
+            elif got and handler == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _exit_text(code: Optional[int]) -> str:
@@ -121,41 +201,52 @@ class _Worker:
 
     def __init__(self, state: WorkerState):
         self.state = state
-        self.process: Any = None  # multiprocessing.process.BaseProcess
+        self.process: Any = None  # multiprocessing.process.BaseProcess (None again once closed)
+        self.exitcode: Optional[int] = None  # kept when the process object is closed
         self.chan: Optional[Channel] = None
         self.control: Optional[ControlPage] = None
-        self.maps: Dict[int, mmap.mmap] = {}
+        self.maps: Dict[int, Any] = {}
         self.pid: Optional[int] = None
+        self.lifeline: Optional[int] = None  # write end of the child's lifeline pipe (see start)
         self.child_state = "starting"
         self.child_since = time.monotonic()
         self.done = False        # ended (StopIteration), failed, or told to stop: its exit is expected
         self.stack: Optional[str] = None
         self.stack_event = threading.Event()
+        self.stack_asked = 0.0  # when a stack request was sent that is not answered yet (0.0: none)
         self.batch_size = 0
         self.go = True
         self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see procworker)
         self.stacks_read = 0
 
-    def fault_stacks(self, wait_s: float = 0.2) -> str:
-        """Every thread's stack, written by faulthandler on SIGUSR1 (works while the child holds
-        the GIL in C code); '' if it cannot be had."""
-        fd, pid = self.stacks_fd, self.pid
-        if fd is None or pid is None:
+    def ask_fault_stacks(self) -> bool:
+        """Ask faulthandler for every thread's stack (SIGUSR1: answered by a C signal handler, even
+        while the child holds the GIL in C code); False if the process cannot be asked."""
+        if self.stacks_fd is None or self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+            return True
+        except OSError:
+            return False
+
+    def read_fault_stacks(self, deadline: float) -> str:
+        """What faulthandler wrote since the last read, once it stops growing (by ``deadline``,
+        monotonic seconds, at the latest); '' if nothing came."""
+        fd = self.stacks_fd
+        if fd is None:
             return ""
         try:
-            os.kill(pid, signal.SIGUSR1)
-            deadline = time.monotonic() + wait_s
             size = self.stacks_read
-            while time.monotonic() < deadline:
-                time.sleep(0.01)
+            while True:
                 new = os.fstat(fd).st_size
-                if new > size and new == size + len(os.pread(fd, new - size, size)):
-                    size = new
-                    time.sleep(0.02)  # let it finish writing the other threads
-                    break
-            size = os.fstat(fd).st_size
-            text = os.pread(fd, size - self.stacks_read, self.stacks_read).decode("utf-8", "replace")
-            self.stacks_read = size
+                now = time.monotonic()
+                if (new > self.stacks_read and new == size) or now >= deadline:
+                    break  # it wrote, and nothing more came over the last pause
+                size = new
+                time.sleep(min(0.005, max(0.0, deadline - now)))
+            text = os.pread(fd, new - self.stacks_read, self.stacks_read).decode("utf-8", "replace")
+            self.stacks_read = new
             return text
         except OSError:
             return ""
@@ -188,34 +279,59 @@ class ProcFetchers:
         self._throttle = throttle
         self._reaper: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._device: Optional[int] = None  # where children's segments must live (feeder.shm.check_segment)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, batch_size: int, coalesce: bool) -> None:
-        """Start one process and its receiver thread per worker id (pickles ``fetch_fun`` now)."""
+        """Start one process and its receiver thread per worker id (``fetch_fun`` is pickled now,
+        for each process, see the module docstring)."""
         ctx = self._options.context
+        method = ctx.get_start_method()
         seed = self._options.seed if self._options.seed is not None else secrets.randbits(63)
-        name = self.source.name
-        for w in self._workers:
-            wid = w.state.worker_id
-            w.batch_size = batch_size
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            w.chan = Channel(parent_conn)
-            proc = ctx.Process(  # type: ignore[attr-defined]  # BaseContext's Process is set per context
-                target=worker_main, name=f"feeder:{name}:proc-{wid}", daemon=True,
-                args=(child_conn, wid, self._fetch_fun, self._options.worker_init_fun, seed, self._validator,
-                      batch_size, coalesce))
-            w.state.set("starting")
-            try:
-                proc.start()
-            except Exception as e:
-                child_conn.close()
-                raise TypeError(f"source {name!r}, worker {wid}: could not start a worker process "
-                                f"({type(e).__name__}: {e}); fetch_fun and worker_init_fun must be picklable") from e
-            child_conn.close()  # the child has its own copy; ours would keep the channel open when it dies
-            w.process, w.pid = proc, proc.pid
-            w.state.thread = threading.Thread(target=self._receive, args=(w,), name=f"feeder:{name}:recv-{wid}",
-                                              daemon=True)
-            w.state.thread.start()
+        functions = Sendable((self._fetch_fun, self._options.worker_init_fun))
+        self._device = memory_device()
+        # PR_SET_PDEATHSIG fires when the *thread* that made the child ends: only safe from the
+        # main thread, and useless under a forkserver (the child's parent); the lifeline covers all.
+        death_ppid = os.getpid() if method != "forkserver" and threading.current_thread() is threading.main_thread() \
+            else None
+        if method == "spawn":
+            # Starting a "spawn" child makes sure multiprocessing's resource tracker runs, and
+            # starting that unblocks SIGINT in this thread: have it running before SIGINT is blocked.
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()
+        with _ctrl_c_held(block=method in ("spawn", "fork")):
+            for w in self._workers:
+                self._start_one(w, ctx, functions, seed, batch_size, coalesce, death_ppid)
+
+    def _start_one(self, w: _Worker, ctx: BaseContext, functions: Sendable, seed: int, batch_size: int,
+                   coalesce: bool, death_ppid: Optional[int]) -> None:
+        name, wid = self.source.name, w.state.worker_id
+        w.batch_size = batch_size
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        w.chan = Channel(parent_conn)
+        r, w.lifeline = os.pipe()
+        read_end = Connection(r, writable=False)
+        # A "fork" child inherits every descriptor: this lifeline's write end and its siblings' too.
+        fork = ctx.get_start_method() == "fork"
+        inherited = tuple(x.lifeline for x in self._workers if x.lifeline is not None) if fork else ()
+        proc = ctx.Process(  # type: ignore[attr-defined]  # BaseContext's Process is set per context
+            target=worker_main, name=_ChildName(f"feeder:{name}:proc-{wid}"), daemon=True,
+            args=(child_conn, wid, functions, seed, self._validator, batch_size, coalesce,
+                  (read_end, inherited, death_ppid)))
+        w.state.set("starting")
+        try:
+            proc.start()
+        except Exception as e:
+            raise TypeError(f"source {name!r}, worker {wid}: could not start a worker process "
+                            f"({type(e).__name__}: {e})") from e
+        finally:
+            # The child has its own copies; ours would keep the channel open when it dies.
+            child_conn.close()
+            read_end.close()
+        w.process, w.pid = proc, proc.pid
+        w.state.thread = threading.Thread(target=self._receive, args=(w,), name=f"feeder:{name}:recv-{wid}",
+                                          daemon=True)
+        w.state.thread.start()
 
     def set_batch_size(self, batch_size: int) -> None:
         """The next fetch_fun call of every process sees ``batch_size``."""
@@ -271,8 +387,34 @@ class ProcFetchers:
                         getattr(p, action)()
                     except (OSError, ValueError):
                         pass
-        for p in procs:  # joined: none is left a zombie (Process.close() is left to GC: receivers may still ask)
+        for p in procs:  # joined: none is left a zombie (close() releases them once the receivers ended)
             p.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """After stop, once the coordinator has joined the threads: release the processes, control
+        pages, lifelines and descriptors now (a receiver still running keeps its worker's)."""
+        for w in self._workers:
+            thread = w.state.thread
+            if thread is not None and thread.is_alive():
+                continue
+            proc = w.process
+            if proc is not None and proc.exitcode is not None:
+                w.exitcode = proc.exitcode
+                try:
+                    proc.close()
+                    w.process = None
+                except ValueError:  # still running after all
+                    pass
+            if w.control is not None:
+                w.control.close()
+                w.control = None
+            if w.lifeline is not None:  # were the process alive still, this would end it
+                os.close(w.lifeline)
+                w.lifeline = None
+            w.maps.clear()
+            w.close_stacks()
+            if w.chan is not None:
+                w.chan.close()
 
     # ---- the receiver thread ----------------------------------------------------------------
     def _receive(self, w: _Worker) -> None:
@@ -305,6 +447,9 @@ class ProcFetchers:
         assert chan is not None
         stop = self._stop
         while True:
+            if source.failure is not None:  # failed here or elsewhere: no more fetch_fun calls
+                self._drain_until_stopped(w)
+                return
             if self._throttle is not None and w.control is not None:
                 go = state.worker_id in self._throttle.active
                 if go != w.go:
@@ -327,14 +472,26 @@ class ProcFetchers:
             if kind != "hello":
                 self._update(w, msg[-1])
             if kind == "chunk":
-                if not self._chunk(w, msg):
+                try:
+                    ok = self._chunk(w, msg)
+                except SegmentError as e:
+                    self._refuse(w, e)
+                    return
+                if not ok:
                     if stop.is_set() or source.failure is not None or source.closed:
                         self._drain_until_stopped(w)
                         return
             elif kind == "hello":
                 w.pid = msg[1]
                 control_fd, w.stacks_fd = chan.recv_fds(2)
-                w.control = ControlPage(map_fd(control_fd, msg[2]))
+                try:
+                    check_segment(control_fd, CONTROL_BYTES, self._device)
+                    w.control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
+                except (SegmentError, OSError) as e:
+                    self._refuse(w, e, "its control page")
+                    return
+                finally:
+                    os.close(control_fd)
                 w.control.fields[BATCH_SIZE] = w.batch_size
                 if self._throttle is not None:
                     w.go = state.worker_id in self._throttle.active
@@ -352,7 +509,12 @@ class ProcFetchers:
                 log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
                             source.name, state.worker_id)
             elif kind == "error":
-                if self._error(w, msg):
+                failed = self._error(w, msg)
+                if failed:
+                    self._halt(w)  # before the verdict: the child reads STOP once it has one
+                if w.control is not None:
+                    w.control.fields[VERDICTS] += 1
+                if failed:
                     self._drain_until_stopped(w)
                     return
             elif kind == "invalid":
@@ -369,6 +531,7 @@ class ProcFetchers:
                     self._throttle.ended(state.worker_id)
             elif kind == "stack":
                 w.stack = msg[1]
+                w.stack_asked = 0.0
                 w.stack_event.set()
             elif kind == "bye":
                 w.done = True
@@ -386,12 +549,28 @@ class ProcFetchers:
         """Turn a chunk message into a Chunk on the source; False if it could not be put (stop, failure)."""
         _, slot, layout, total, rows, slots, dropped, sizes, _stats = msg
         chan, state = w.chan, w.state
-        assert chan is not None and w.control is not None
+        if chan is None or w.control is None:
+            raise SegmentError("a chunk before its hello")
         for d in dropped:
             w.maps.pop(d, None)
         if sizes:
-            w.maps[slot] = map_fd(chan.recv_fds(1)[0], sizes[0])
-        arrays, base = arrays_from_slot(w.maps[slot] if slot is not None else None, layout, total)
+            (fd,) = chan.recv_fds(1)
+            try:
+                if not isinstance(slot, int) or not 0 <= slot < MAX_SLOTS:
+                    raise SegmentError(f"a segment for slot {slot!r}, which is not a slot")
+                check_segment(fd, sizes[0], self._device)
+                try:
+                    w.maps[slot] = map_fd(fd, sizes[0], close=False)
+                except OSError as e:
+                    raise SegmentError(f"a segment that could not be mapped ({e})") from None
+            finally:
+                os.close(fd)
+        mm = None
+        if slot is not None:
+            mm = w.maps.get(slot)
+            if mm is None:
+                raise SegmentError(f"a chunk in slot {slot!r}, for which it sent no segment")
+        arrays, base = arrays_from_slot(mm, layout, total)
         if base is not None:
             busy = w.control.busy
             if len(w.maps) >= HOARD_SLOTS and sum(busy[s] for s in w.maps) >= HOARD_SLOTS:
@@ -455,6 +634,32 @@ class ProcFetchers:
         source.fail(Failure(FetchError(msg_text), cause))
         return True
 
+    def _refuse(self, w: _Worker, e: Exception, what: str = "") -> None:
+        """The child sent something the parent cannot safely use (feeder.shm.SegmentError): the source
+        fails, naming the worker; the parent never maps or reads it."""
+        state = w.state
+        state.set("failed")
+        self.source.fail(Failure(FetchError(
+            f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} sent "
+            f"{what + ': ' if what else ''}{e}; refused (the parent maps only memory files sealed against "
+            f"shrinking and reads only within them, so that nothing the process does can crash it)"), e))
+        self._drain_until_stopped(w)
+
+    def _halt(self, w: _Worker) -> None:
+        """Tell the child to stop calling fetch_fun and end (its source failed): the flag, which its
+        loop reads between calls, and the message, for its control thread (which ends the process
+        even when fetch_fun does not return; and there may be no control page to flag)."""
+        if w.done and w.control is not None and w.control.fields[STOP]:
+            return
+        w.done = True
+        if w.control is not None:
+            w.control.fields[STOP] = 1
+        if w.chan is not None:
+            try:
+                w.chan.send(("stop",), timeout=0.1)
+            except (OSError, ValueError):
+                pass  # already gone
+
     def _ended_silently(self, w: _Worker) -> None:
         """The channel closed or the process is gone: fine after an end or a stop, else a failure."""
         proc = w.process
@@ -475,7 +680,9 @@ class ProcFetchers:
             f"({_exit_text(code)}) while {where}")))
 
     def _drain_until_stopped(self, w: _Worker) -> None:
-        """After a failure: keep reading (so the child never blocks on a full channel) until stop."""
+        """After a failure: the child is told to stop; keep reading (so it never blocks on a full
+        channel) until it has ended or the feed stops."""
+        self._halt(w)
         chan = w.chan
         assert chan is not None
         while not self._stop.is_set():
@@ -485,27 +692,57 @@ class ProcFetchers:
                     if msg[0] == "chunk" and msg[7]:
                         for fd in chan.recv_fds(1):
                             os.close(fd)
+                    elif msg[0] == "hello":  # it started after the failure: its control page is not needed
+                        w.pid = msg[1]
+                        for fd in chan.recv_fds(2):
+                            os.close(fd)
+                    elif msg[0] == "error" and w.control is not None:
+                        w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
             except (EOFError, OSError):
+                return
+            except Exception:  # garbage from a misbehaving child: it is stopped anyway
                 return
 
     # ---- introspection --------------------------------------------------------------------
-    def describe(self, now: float, stack_after_s: float = 1.0, frames: int = 6) -> List[str]:
-        """One line per process (plus its stack when in fetch_fun for ``stack_after_s`` s or more)."""
-        live = [w for w in self._workers if w.process is not None and w.state.thread is not None
+    def _live(self) -> List[_Worker]:
+        return [w for w in self._workers if w.process is not None and w.state.thread is not None
                 and w.state.thread.is_alive() and w.chan is not None]
-        for w in live:
+
+    def request_stacks(self) -> None:
+        """Ask every live process for its stack now, so that a diagnosis due soon has it (a
+        consumer calls this ``STACK_LEAD_S`` before its deadline). A request not yet answered is
+        not repeated: a child that cannot answer must not have its channel filled."""
+        now = time.monotonic()
+        for w in self._live():
+            if w.stack_asked:
+                continue
             w.stack_event.clear()
             try:
-                w.chan.send(("stack",), timeout=0.1)  # type: ignore[union-attr]
+                if w.chan.send(("stack",), timeout=0.01):  # type: ignore[union-attr]
+                    w.stack_asked = now
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + STACK_WAIT_S
+
+    def describe(self, now: float, stack_after_s: float = 1.0, frames: int = 6) -> List[str]:
+        """One line per process (plus its stack when in fetch_fun for ``stack_after_s`` s or more),
+        by ``now + STACK_WAIT_S`` at the latest: a process that answers neither through its control
+        thread nor through faulthandler is named as such."""
+        deadline = now + STACK_WAIT_S
+        self.request_stacks()
+        live = self._live()
+        for w in live:  # answers: at most REPLY_WAIT_S after the request (an early one is done by now)
+            until = min(deadline - (STACK_WAIT_S - REPLY_WAIT_S), max(now, w.stack_asked + REPLY_WAIT_S))
+            w.stack_event.wait(max(0.0, until - time.monotonic()))
+        faulted = []
+        for w in live:
+            busy = time.monotonic() - w.child_since
+            if not w.stack_event.is_set() and busy >= stack_after_s and w.ask_fault_stacks():
+                faulted.append(w)
+        dumps = {id(w): w.read_fault_stacks(deadline) for w in faulted}
         lines = []
         for w in self._workers:
             state = w.state
             alive = w in live
-            if alive:
-                w.stack_event.wait(max(0.0, deadline - time.monotonic()))
             what = w.child_state if alive and not state.state.startswith(("ended", "failed", "stopped")) \
                 else state.state
             busy = time.monotonic() - (w.child_since if alive else state.since)
@@ -515,13 +752,14 @@ class ProcFetchers:
                 lines_ = w.stack.rstrip("\n").splitlines()[-2 * frames:]
                 text += "; stack (innermost last):\n" + "\n".join("    " + ln for ln in lines_)
             elif alive and not replied and busy >= stack_after_s:
-                dump = w.fault_stacks()
+                dump = dumps.get(id(w), "")
                 if dump:  # faulthandler's format: most recent call first, every thread
                     shown = dump.strip().splitlines()[:4 * frames]
                     text += ("; it did not answer (C code holding the GIL?); faulthandler's stacks, most recent "
                              "call first:\n" + "\n".join("    " + ln for ln in shown))
                 else:
-                    text += "; no stack: the process did not answer (busy in C code holding the GIL?)"
+                    text += (f"; worker {state.worker_id}, pid {w.pid}, did not answer in time (busy in C code "
+                             f"holding the GIL?)")
             lines.append(text)
         return lines
 

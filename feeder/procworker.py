@@ -4,12 +4,19 @@
 ``_worker_loop`` and torchdata's ``_populate_queue``), started by the parent's
 ``feeder.procfeed`` with the start method the registration chose. In the child it:
 
+* arms its *lifeline* (see :func:`arm_lifeline`): the kernel kills the process when the main
+  process dies, whatever the process is doing, even inside C code that holds the GIL;
 * ignores SIGINT (Ctrl-C in a terminal reaches the whole process group: the parent raises one
-  ``KeyboardInterrupt`` and stops its workers; children must not print a traceback each), and
-  enables ``faulthandler`` so a crash in C code leaves a stack on stderr;
+  ``KeyboardInterrupt`` and stops its workers; children must not print a traceback each; the
+  parent starts them with SIGINT blocked or ignored, see ``feeder.procfeed``), and enables
+  ``faulthandler`` so a crash in C code leaves a stack on stderr;
+* rebuilds ``fetch_fun`` and ``worker_init_fun`` from what was sent (``feeder.sending``);
 * seeds ``random`` and numpy's global generator from ``(seed, worker_id)``;
 * runs ``worker_init_fun(worker_id)``, then calls ``fetch_fun`` until ``StopIteration``, a
-  fatal error, or the parent's stop;
+  fatal error, or the parent's stop. After an exception in ``fetch_fun`` it waits for the
+  parent's verdict (``VERDICTS`` on the control page) before calling again: only the parent
+  counts ``max_fetch_errors``, and once the source has failed it sets ``STOP``, so a failed
+  source's processes make no further call;
 * validates each chunk with the source's validator (a copy of the parent's, with what it had
   learned when the process started), casts where ``cast=True``, and coalesces chunks smaller
   than a batch into whole batches (not for ordered sources nor ``dont_rebatch``): the copy into
@@ -20,7 +27,8 @@
 
 A control thread in the child receives the parent's messages (stop, stack requests) and ends
 the process when the parent is gone: the channel reaches end-of-file when the parent dies,
-even by SIGKILL, and the parent pid changes when it is reparented.
+even by SIGKILL, and the parent pid changes when it is reparented. (It needs the GIL; the
+lifeline does not.)
 """
 from __future__ import annotations
 
@@ -31,19 +39,21 @@ import math
 import os
 import pickle
 import random
+import select
 import signal
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .chunks import ChunkValidator
 from .errors import InputValidationError
 from .rebatcher import take_rows
+from .sending import Sendable
 from .shm import (
     ACKED,
     ALIGN,
@@ -52,6 +62,7 @@ from .shm import (
     GO,
     MAX_INFLIGHT,
     STOP,
+    VERDICTS,
     Channel,
     ControlPage,
     Layout,
@@ -213,6 +224,13 @@ class _Child:
     def wait_go(self) -> bool:
         return self._wait(lambda: bool(self.control.fields[GO]), "parked (auto concurrency)")
 
+    def verdict(self) -> bool:
+        """After an exception in fetch_fun: wait until the parent has judged it. True to go on (it
+        was tolerated); False when the source failed (the parent set STOP first) or stops."""
+        fields = self.control.fields
+        return self._wait(lambda: int(fields[VERDICTS]) >= self.errors or bool(fields[STOP]),
+                          "waiting for the parent's verdict on an error") and not self.stopped()
+
     # ---- sending chunks -------------------------------------------------------------------
     def put(self, pieces: List[Tuple[Tuple[np.ndarray, ...], int]], rows: int, slots: int,
             axes: Tuple[int, ...], wait: bool = True) -> bool:
@@ -230,8 +248,8 @@ class _Child:
         offsets: List[Optional[int]] = []
         total = 0
         for s, d in zip(shapes, dtypes):
-            if d.hasobject:
-                offsets.append(None)  # pickled with the message
+            if d.hasobject or not math.prod(s) * d.itemsize:
+                offsets.append(None)  # pickled with the message (object arrays; rows without bytes)
                 continue
             offsets.append(total)
             total += -(-math.prod(s) * d.itemsize // ALIGN) * ALIGN
@@ -315,11 +333,64 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
-def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int], Any],
-                worker_init_fun: Optional[Callable[[int], Any]], seed: int, validator: ChunkValidator,
-                batch_size: int, coalesce: bool) -> None:
-    """The body of a worker process (see the module docstring)."""
+PR_SET_PDEATHSIG = 1  # prctl(2)
+F_SETSIG = 10         # fcntl(2), Linux: the signal sent for O_ASYNC events instead of SIGIO
+
+
+def arm_lifeline(read_end: Connection, close_fds: Sequence[int], death_ppid: Optional[int]) -> None:
+    """Make the kernel kill this process when the main process dies, whatever it is doing.
+
+    ``read_end`` is this process's end of a pipe whose only write end the main process holds and
+    never writes to. When the main process dies the kernel closes that end, the read end reaches
+    end-of-file, and (``O_ASYNC`` with ``F_SETSIG``) the kernel sends this process SIGKILL: even
+    inside C code holding the GIL, where no Python thread of this process can run, and whatever
+    the chain of parents (a forkserver's children are the forkserver's, which outlives the main
+    process). ``close_fds``: with "fork", the write ends this process inherited, which would
+    otherwise keep the pipe open. ``death_ppid``: where the parent is the main process and the
+    thread that started this one lives as long as it does, ``PR_SET_PDEATHSIG`` as well, checked
+    against the expected parent pid right after (the parent may have died before it was set).
+    Not every platform has these: there the control thread's checks remain.
+    """
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if not sys.platform.startswith("linux"):
+        return
+    if death_ppid is not None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != death_ppid:
+            os._exit(1)
+    import fcntl
+
+    r = read_end.fileno()
+    fcntl.fcntl(r, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(r, getattr(fcntl, "F_SETSIG", F_SETSIG), int(signal.SIGKILL))
+    fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
+    poller = select.poll()  # not select(): a "fork" child's descriptor numbers may pass FD_SETSIZE
+    poller.register(r, select.POLLIN | select.POLLHUP)
+    if poller.poll(0):  # nobody writes: readable means the main process died already
+        os._exit(1)
+
+
+def ignore_sigint() -> None:
+    """SIGINT ignored, then unblocked (the parent may start a child with it blocked, see
+    ``feeder.procfeed``): a Ctrl-C that came meanwhile is discarded, not delivered."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int, validator: ChunkValidator,
+                batch_size: int, coalesce: bool, lifeline: Tuple[Connection, Tuple[int, ...], Optional[int]]) -> None:
+    """The body of a worker process (see the module docstring). ``functions`` carries
+    ``(fetch_fun, worker_init_fun)``; ``lifeline`` is ``arm_lifeline``'s arguments."""
+    arm_lifeline(*lifeline)  # the read end stays open (referenced here) as long as the process lives
+    ignore_sigint()
     faulthandler.enable()
     ppid = os.getppid()
     chan = Channel(conn)
@@ -329,7 +400,7 @@ def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int]
     stacks = new_fd(STACKS_BYTES, "feeder-stacks")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     control_fd = new_fd(CONTROL_BYTES, "feeder-control")
-    control = ControlPage(map_fd(os.dup(control_fd), CONTROL_BYTES))
+    control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
     # Initial values first: from the hello on, the parent alone writes these fields (a batch size
     # reset or a parked worker set before the hello must not be overwritten).
     control.fields[BATCH_SIZE] = batch_size
@@ -341,13 +412,17 @@ def worker_main(conn: Connection, worker_id: int, fetch_fun: Callable[[int, int]
     ctl.start()
     keep_freed_memory()
     seed_worker(seed, worker_id)
+    where = "rebuilding fetch_fun and worker_init_fun in the process"
     try:
+        fetch_fun, worker_init_fun = functions.get()
         if worker_init_fun is not None:
+            where = "worker_init_fun"
             child.status.set("in worker_init_fun")
             worker_init_fun(worker_id)
     except BaseException as e:  # noqa: B902 - whatever it was, the parent must hear of it
-        child.send("error", *_describe_exception(e), True, "worker_init_fun")
+        child.send("error", *_describe_exception(e), True, where)
         return
+    del functions
     try:
         _loop(child, fetch_fun, validator, coalesce)
     except BaseException as e:  # noqa: B902 - a bug here must reach the parent, not vanish
@@ -399,7 +474,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                 fatal = not isinstance(e, Exception)
                 status.set("processing a chunk")
                 child.send("error", *_describe_exception(e), fatal, "fetch_fun")
-                if fatal:
+                if fatal or not child.verdict():
                     return
                 continue
             lock.acquire()

@@ -55,6 +55,8 @@ def concatenate_into(dst: np.ndarray, pieces: Sequence[np.ndarray], axis: int) -
     21 ms next to one busy Python thread, against 51 us for this memcpy loop. Big pieces still
     go through numpy, which releases the GIL while it copies them.
     """
+    if not dst.nbytes:
+        return  # rows without bytes (a shape like (rows, 0)): nothing to copy, and memoryview refuses them
     if axis != 0 or dst.dtype.kind not in "biufc" or not dst.flags.c_contiguous:
         np.concatenate(list(pieces), axis=axis, out=dst, casting=_casting(dst))
         return

@@ -19,24 +19,48 @@ at most ``MAX_INFLIGHT`` chunks in flight beyond it), the batch size, the go-ahe
 parent when the slot is free again. Each field has a single writer, and aligned 8-byte
 stores are atomic on every platform CPython supports, so no lock is needed; a finalizer that
 frees a slot can run in any thread, even in the middle of garbage collection.
+
+*No descriptor per mapping.* ``mmap.mmap`` keeps its own duplicate of the descriptor it maps
+until the mapping is closed (before Python 3.13's ``trackfd=False``), and a consumer that keeps
+its batches keeps hundreds of slots mapped: that was one descriptor per kept batch, and
+``EMFILE`` after about a thousand under the common limit of 1,024. So segments are mapped with
+the C library's ``mmap`` (through ctypes), their descriptor is closed at once, and the memory
+is an object whose finalizer unmaps it once nothing refers to it any more: numpy views keep it
+(it is their base), so memory is unmapped only after the last view is gone.
+
+*The parent trusts nothing a child's code could change.* A file mapped in the parent that the
+child shrinks would kill the parent with SIGBUS at its next read. Segments are therefore
+created with ``MFD_ALLOW_SEALING`` and sealed against shrinking (``F_SEAL_SHRINK``) before
+their descriptor is sent, and the parent refuses (``SegmentError``, which fails the source
+naming the worker) a segment that is not so sealed, not a memory file, or smaller than the
+child says; offsets, sizes and dtypes of every chunk are checked against its segment too.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
 import pickle
 import socket
+import stat
 import tempfile
 import threading
+import weakref
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# Control page layout: int64 fields, then one uint8 busy flag per slot.
-ACKED, BATCH_SIZE, GO, STOP = 0, 1, 2, 3
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+# Control page layout: int64 fields, then one uint8 busy flag per slot. VERDICTS: how many of the
+# child's fetch errors the parent has judged (tolerated, or the source failed and STOP is set).
+ACKED, BATCH_SIZE, GO, STOP, VERDICTS = 0, 1, 2, 3, 4
 FIELDS = 8
 MAX_SLOTS = 1024        # slots per child (queued chunks + batches held by consumers + in flight)
 CONTROL_BYTES = FIELDS * 8 + MAX_SLOTS
@@ -46,24 +70,102 @@ MAX_INFLIGHT = 4        # chunks a child may have sent beyond those the parent h
 KEEP_FREE = 8           # free segments a child keeps for reuse; beyond twice that, the extra are given back
 
 
+# Sealing (Linux): a segment sealed against shrinking cannot be made to fault in the parent.
+SEALING = (hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")
+           and fcntl is not None and hasattr(fcntl, "F_ADD_SEALS"))
+
+
+class SegmentError(ValueError):
+    """A segment, or a chunk's layout in one, that the parent cannot safely use."""
+
+
 def new_fd(size: int, name: str = "feeder") -> int:
-    """A file descriptor of an anonymous, zero-filled file of ``size`` bytes."""
+    """A file descriptor of an anonymous, zero-filled file of ``size`` bytes, sealed against
+    shrinking where the platform has seals (see the module docstring)."""
     memfd_create = getattr(os, "memfd_create", None)
     if memfd_create is not None:
-        fd = int(memfd_create(name, getattr(os, "MFD_CLOEXEC", 0)))
+        fd = int(memfd_create(name, getattr(os, "MFD_CLOEXEC", 0) | (os.MFD_ALLOW_SEALING if SEALING else 0)))
     else:  # pragma: no cover - non-Linux: an unlinked temporary file is just as anonymous
         with tempfile.TemporaryFile() as f:
             fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
+    try:
+        os.ftruncate(fd, size)
+        if SEALING:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
-def map_fd(fd: int, size: int) -> mmap.mmap:
-    """Map ``size`` bytes of ``fd`` shared and writable, then close ``fd`` (the mapping keeps the file)."""
+def memory_device() -> Optional[int]:
+    """The device number of this system's anonymous memory files (None where there are none):
+    a segment on another device (say, hugetlbfs, which can fault for want of huge pages) is refused."""
+    if not SEALING:
+        return None
+    fd = new_fd(0, "feeder-probe")
     try:
-        return mmap.mmap(fd, size)
+        return os.fstat(fd).st_dev
     finally:
         os.close(fd)
+
+
+def check_segment(fd: int, size: int, device: Optional[int]) -> None:
+    """SegmentError unless ``fd`` is a memory file of at least ``size`` bytes, on ``device``, sealed
+    against shrinking. Where the platform has no seals there is nothing to check."""
+    if not SEALING:
+        return
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+    except OSError as e:
+        raise SegmentError(f"a segment that is not a memory file that can be sealed ({e})") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise SegmentError("a segment that is not sealed against shrinking (F_SEAL_SHRINK)")
+    if not stat.S_ISREG(st.st_mode) or (device is not None and st.st_dev != device):
+        raise SegmentError("a segment that is not an anonymous memory file")
+    if st.st_size < size:
+        raise SegmentError(f"a segment of {st.st_size} bytes said to hold {size}")
+
+
+def _libc_mmap() -> Optional[Tuple[Any, Any]]:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_, munmap = libc.mmap, libc.munmap
+    except (OSError, AttributeError):  # pragma: no cover - no C library to call
+        return None
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    munmap.restype = ctypes.c_int
+    munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return mmap_, munmap
+
+
+_LIBC_MMAP = _libc_mmap()  # constant: the C library's mmap and munmap, or None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_fd(fd: int, size: int, *, close: bool = True) -> Any:
+    """Map ``size`` bytes of ``fd`` shared and writable; closes ``fd`` unless ``close=False``.
+
+    Returns an object exporting the memory as a buffer (numpy's ``frombuffer`` takes it and
+    keeps it as the base of its arrays). No descriptor stays open for the mapping, and the
+    memory is unmapped once the object is garbage, that is after its last view is gone."""
+    try:
+        if _LIBC_MMAP is None:  # pragma: no cover - keeps a descriptor per mapping
+            return mmap.mmap(fd, size)
+        mmap_, munmap = _LIBC_MMAP
+        addr = mmap_(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+        mem = (ctypes.c_ubyte * size).from_address(addr)
+        # Not at exit: a daemon thread may still read a batch while the interpreter finalizes.
+        weakref.finalize(mem, munmap, addr, size).atexit = False
+        return mem
+    finally:
+        if close:
+            os.close(fd)
 
 
 def segment_size(nbytes: int) -> int:
@@ -75,16 +177,29 @@ def segment_size(nbytes: int) -> int:
 class ControlPage:
     """Typed views of a control page (see the module docstring)."""
 
-    def __init__(self, mm: mmap.mmap):
-        self.mm = mm
+    def __init__(self, mm: Any):
+        if len(mm) < CONTROL_BYTES:
+            raise SegmentError(f"a control page of {len(mm)} bytes, not {CONTROL_BYTES}")
+        self.mm: Any = mm
         # memoryviews, not numpy arrays: an item costs ~30 ns instead of ~100 (read per fetch_fun call)
-        view = memoryview(mm)
-        self.fields = view[:FIELDS * 8].cast("q")
-        self.busy = view[FIELDS * 8:FIELDS * 8 + MAX_SLOTS]
+        self.fields = memoryview(np.frombuffer(mm, dtype=np.int64, count=FIELDS))  # type: ignore[arg-type]
+        self.busy = memoryview(np.frombuffer(mm, dtype=np.uint8, count=MAX_SLOTS,  # type: ignore[arg-type]
+                                             offset=FIELDS * 8))
 
     def release(self, slot: int) -> None:
         """Hand a slot back to the child (called by a finalizer: no lock, no system call)."""
-        self.busy[slot] = 0
+        busy = self.busy
+        try:
+            busy[slot] = 0
+        except ValueError:  # closed meanwhile (stop): the child is gone, nobody waits for the slot
+            pass
+
+    def close(self) -> None:
+        """Let the page be unmapped now rather than when the garbage collector finds its owner
+        (at stop: the child is gone). Finalizers of batches still held then do nothing."""
+        for view in (self.fields, self.busy):
+            view.release()
+        self.mm = None
 
 
 class Channel:
@@ -144,7 +259,7 @@ class SegmentRing:
 
     def __init__(self, control: ControlPage):
         self.control = control
-        self.maps: Dict[int, mmap.mmap] = {}
+        self.maps: Dict[int, Any] = {}
         self.sizes: Dict[int, int] = {}
 
     def _free_slots(self) -> List[int]:
@@ -153,7 +268,8 @@ class SegmentRing:
 
     def acquire(self, nbytes: int) -> Tuple[Optional[int], List[int], List[int], Optional[int]]:
         """A slot of at least ``nbytes``: (slot, slots given back, new fd to send, its size), or
-        (None, ...) when every slot is busy and no new one may be made (the caller waits)."""
+        (None, ...) when every slot is busy and no new one may be made (the caller waits). The
+        caller closes the new fd once it is sent (the mapping does not need it)."""
         free = self._free_slots()
         fitting = [s for s in free if self.sizes[s] >= nbytes]
         dropped: List[int] = []
@@ -171,7 +287,11 @@ class SegmentRing:
             slot = next(s for s in range(MAX_SLOTS) if s not in self.maps)
         size = segment_size(nbytes)
         fd = new_fd(size, f"feeder-slot-{slot}")
-        self.maps[slot] = mmap.mmap(fd, size)
+        try:
+            self.maps[slot] = map_fd(fd, size, close=False)
+        except BaseException:
+            os.close(fd)
+            raise
         self.sizes[slot] = size
         self.control.busy[slot] = 1
         return slot, dropped, [fd], size
@@ -187,31 +307,45 @@ class SegmentRing:
         return extra
 
     def _close(self, slot: int) -> None:
-        mm = self.maps.pop(slot)
-        self.sizes.pop(slot)
-        try:
-            mm.close()
-        except BufferError:  # a view still exists (it cannot: writes are done); let GC have it
-            pass
+        # Unmapped as soon as nothing refers to it (the writes into it are done: no view is left).
+        del self.maps[slot]
+        del self.sizes[slot]
 
     def view(self, slot: int, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
         count = math.prod(shape)
         return np.frombuffer(self.maps[slot], dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-def arrays_from_slot(mm: Optional[mmap.mmap], layout: Layout,
-                     total: int) -> Tuple[Tuple[np.ndarray, ...], Optional[np.ndarray]]:
+def arrays_from_slot(mm: Any, layout: Layout, total: int) -> Tuple[Tuple[np.ndarray, ...], Optional[np.ndarray]]:
     """Views of a slot's arrays per ``layout``, and their common base (None if no array is in the slot):
-    the slot is free once that base is garbage."""
-    base = np.frombuffer(mm, dtype=np.uint8, count=total) if total and mm is not None else None
+    the slot is free once that base is garbage. SegmentError for a layout that does not fit the slot
+    (the child's word is checked, never trusted: a bad offset would read outside the mapping)."""
+    if total:
+        if mm is None:
+            raise SegmentError(f"a chunk of {total} bytes in no slot")
+        if not 0 < total <= len(mm):
+            raise SegmentError(f"a chunk of {total} bytes in a slot of {len(mm)}")
+    base = np.frombuffer(mm, dtype=np.uint8, count=total) if total else None
     out: List[np.ndarray] = []
     for entry in layout:
-        if entry[0] == "obj":
+        if entry[0] == "obj" and len(entry) == 2 and isinstance(entry[1], np.ndarray):
             out.append(entry[1])
             continue
+        if entry[0] != "shm" or len(entry) != 4:
+            raise SegmentError(f"a layout entry that is neither an array in the slot nor a pickled one: {entry!r:.200}")
         _, offset, dtype, shape = entry
-        dt = np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+            shape = tuple(int(d) for d in shape)
+        except (TypeError, ValueError) as e:
+            raise SegmentError(f"a layout entry with a bad dtype or shape: {entry!r:.200} ({e})") from None
+        if dt.hasobject or any(d < 0 for d in shape) or not isinstance(offset, int):
+            raise SegmentError(f"a layout entry that cannot lie in a slot: {entry!r:.200}")
         n = math.prod(shape) * dt.itemsize
-        assert base is not None
+        if not n:
+            out.append(np.empty(shape, dt))
+            continue
+        if base is None or offset < 0 or offset + n > total:
+            raise SegmentError(f"an array of {n} bytes at offset {offset} of a chunk of {total} bytes")
         out.append(base[offset:offset + n].view(dt).reshape(shape))
     return tuple(out), base

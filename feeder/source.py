@@ -347,6 +347,17 @@ class ChunkQueue:
             if starved is not None:
                 self._starved.append(starved)
 
+    def detach(self) -> None:
+        """At stop, once every thread of the source has ended: forget the feeds' callbacks, keeping
+        what they delivered (so the ledger and metrics still read right). The callbacks are bound
+        methods of the feeds, which hold this queue: a reference cycle that would keep both, and
+        all they hold, until the garbage collector runs."""
+        with self._lock:
+            rows, nbytes = self._delivered()
+            self._rows_delivered = rows
+            self._bytes_out += nbytes
+            self._holders, self._deliveries, self._starved, self._flushers = [], [], [], []
+
     def add_flusher(self, flush_if_stale: Callable[[float], None]) -> None:
         with self._lock:
             self._flushers.append(flush_if_stale)

@@ -431,7 +431,8 @@ class ThreadFetchers:
 
     The feed reaches its fetchers only through this interface, which
     ``feeder.procfeed.ProcFetchers`` offers too: ``states`` (one :class:`WorkerState` each),
-    ``start``, ``set_batch_size``, ``signal_stop``, ``threads`` and ``describe``.
+    ``start``, ``set_batch_size``, ``signal_stop``, ``threads``, ``close``, ``request_stacks`` and
+    ``describe``.
     """
 
     mode = "threads"
@@ -472,6 +473,12 @@ class ThreadFetchers:
 
     def threads(self) -> List[threading.Thread]:
         return [s.thread for s in self.states if s.thread is not None]
+
+    def close(self) -> None:
+        """Nothing to release: threads hold no process, shared memory or descriptor."""
+
+    def request_stacks(self) -> None:
+        """Nothing to ask ahead: a thread's stack is read at once."""
 
     def describe(self, now: float, stack_after_s: float = 1.0) -> List[str]:
         return [s.describe(now, stack_after_s=stack_after_s) for s in self.states]

@@ -159,14 +159,6 @@ def test_metrics_and_diagnosis_see_the_processes_work(coord):
 
 
 # ---- start methods, pickling, seeds -------------------------------------------------------------
-def test_a_fetch_fun_that_cannot_be_pickled_is_a_type_error_at_registration(coord):
-    with pytest.raises(TypeError, match="fetch_fun .*cannot be pickled.*module-level"):
-        register(coord, lambda w, b: None, 4)
-    with pytest.raises(TypeError, match="worker_init_fun .*cannot be pickled"):
-        register(coord, utils.random_probe, 4, worker_init_fun=lambda w: None)
-    assert coord.sources == []
-
-
 def test_fork_takes_a_closure(coord):
     lock = threading.Lock()  # unpicklable, fine with fork
 
@@ -507,3 +499,395 @@ def test_fresh_large_arrays_in_a_process_do_not_fault_every_page_in_again(coord)
             feed.next_batch()
         windows.append((minor_faults(pid) - before) / 20)
     assert min(windows) < 100, windows  # 2 x 768 pages a batch if every page were fresh
+
+
+# ---- a failed source, odd chunks, descriptors, segments ------------------------------------------
+def test_a_failed_source_stops_its_processes_calling_fetch_fun(coord, tmp_path):
+    calls = str(tmp_path / "calls")
+    register(coord, utils.CountCalls(calls), 4, max_fetch_errors=0)
+    coord.start()
+    with pytest.raises(feeder.FetchError):
+        for _ in until(20):
+            coord.feed("train").next_batch()
+    time.sleep(0.5)  # time for thousands of calls, were a process still making them
+    n = utils.count_lines(calls)
+    assert n <= 2, f"{n} calls to a fetch_fun that raised every time: the processes went on after the failure"
+    time.sleep(0.3)
+    assert utils.count_lines(calls) == n
+
+
+def test_a_process_makes_no_call_past_the_one_that_fails_its_source(coord, tmp_path):
+    """After an exception a process waits for the parent's verdict (only the parent counts
+    max_fetch_errors): tolerated, it calls again; the one too many, it stops."""
+    calls = str(tmp_path / "calls")
+    register(coord, utils.CountCalls(calls), 4, max_fetch_errors=3, num_worker_processes=1)
+    coord.start()
+    with pytest.raises(feeder.FetchError, match="more than max_fetch_errors=3"):
+        for _ in until(20):
+            coord.feed("train").next_batch()
+    time.sleep(0.3)
+    assert utils.count_lines(calls) == 4
+
+
+def test_a_failure_of_one_worker_stops_the_other_processes_of_the_source(coord, tmp_path):
+    calls = str(tmp_path / "calls")
+    register(coord, utils.CountCalls(calls, fail_worker=0), 4, max_fetch_errors=0)
+    coord.start()
+    with pytest.raises(feeder.FetchError, match="worker 0"):
+        for _ in until(20):
+            coord.feed("train").next_batch()
+    time.sleep(0.3)
+    n = utils.count_lines(calls)
+    time.sleep(0.5)
+    assert utils.count_lines(calls) == n, "worker 1 went on calling fetch_fun after its source failed"
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_chunks_with_rows_but_no_bytes(coord, mode):
+    register(coord, utils.ZeroWidth(300, 2, sizes=(7, 30)), 10, names=("id", "x"),
+             **{"num_worker_processes": 0, **utils.workers(mode, 2)})
+    coord.start()
+    got = []
+    for b in coord.feed("train"):
+        assert b["x"].shape == (len(b["id"]), 0) and b["x"].dtype == np.float32
+        got.extend(b["id"].tolist())
+    assert sorted(got) == list(range(300))
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_chunks_of_zero_byte_arrays_only(coord, mode):
+    register(coord, utils.Const([np.zeros((4, 0), np.float32)]), 6,
+             **{"num_worker_processes": 0, **utils.workers(mode, 2)})
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(20):
+        assert feed.next_batch()["x"].shape == (6, 0)
+
+
+def test_a_consumer_keeping_every_batch_needs_no_descriptor_per_batch():
+    """A slot mapped with mmap.mmap kept a descriptor for as long as it stayed mapped, in the parent and
+    in the child: under the common limit of 1,024 open files, list(feed) failed with EMFILE. Each
+    child, holding some 500 slots here, may have 256 descriptors open."""
+    proc = spawn("""
+        import resource
+        if __name__ == "__main__":
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+            n = 3 * 800 * 10
+            coord = feeder.init_data_input_workers(None, ["id", "x"], utils.Sharded(n, 3, sizes=(10,)), 10,
+                                                   num_worker_processes=3, worker_init_fun=utils.limit_open_files,
+                                                   coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            kept = [b["id"] for b in coord.feed("train")]
+            assert sorted(np.concatenate(kept).tolist()) == list(range(n))
+            print("kept", len(kept), "fds", len(os.listdir("/proc/self/fd")), flush=True)
+            assert coord.stop()
+    """)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "kept 2400" in out, err[-3000:]
+    assert int(out.split()[-1]) < 100, out
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:" in line for line in f)
+
+
+def test_stop_releases_descriptors_and_mappings_without_the_garbage_collector():
+    import gc
+
+    def cycle():
+        c = feeder.GlobalCoordinator(join_timeout=3.0)
+        try:
+            register(c, Sharded(10**6, 2, sizes=(64,)), 64, names=("id", "x"))
+            c.start()
+            feed = c.feed("train")
+            for _ in range(5):
+                feed.next_batch()
+        finally:
+            assert c.stop() is True
+
+    cycle()  # the first starts the forkserver, which lives on
+    gc.collect()
+    gc.disable()
+    try:
+        before = _open_fds(), _memfd_mappings()
+        for _ in range(3):
+            cycle()
+        after = _open_fds(), _memfd_mappings()
+    finally:
+        gc.enable()
+    assert after == before, f"(descriptors, memfd mappings) before {before}, after 3 start/stop cycles {after}"
+
+
+def test_a_feed_timeout_is_not_overrun_while_a_process_holds_the_gil_in_c(coord):
+    register(coord, utils.regex_forever, 4, num_worker_processes=1)
+    coord.start()
+    feed = coord.feed("train")
+    wait_until(lambda: feed._fetchers._workers[0].control is not None, what="the process's hello")
+    time.sleep(0.2)  # in its first fetch_fun call: the regex
+    for timeout in (0.05, 0.3, 0.0):
+        t0 = time.monotonic()
+        with pytest.raises(feeder.FeedTimeout) as info:
+            feed.next_batch(timeout=timeout)
+        took = time.monotonic() - t0
+        assert took <= timeout + 0.1, f"next_batch(timeout={timeout}) raised after {took:.3f} s"
+        msg = str(info.value)
+        assert "worker 0" in msg and ("regex_forever" in msg or "did not answer in time" in msg), msg
+
+
+def _rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon")
+
+
+def test_a_memory_mapped_array_source_is_not_copied_into_the_processes(coord, tmp_path):
+    from feeder.sources import ArraySource
+
+    n, width = 2**15, 1024  # 128 MiB of float32
+    path = str(tmp_path / "x.npy")
+    w = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, width))
+    for lo in range(0, n, 4096):
+        w[lo:lo + 4096] = np.arange(lo, min(n, lo + 4096), dtype=np.float32)[:, None]
+    w.flush()
+    del w
+    x = np.load(path, mmap_mode="r")
+    rows = slice(n // 4, n)  # a view: its data starts a quarter into the file
+    src = ArraySource({"id": np.arange(n)[rows], "x": x[rows]})
+    register(coord, src, 256, names=("id", "x"), num_worker_processes=2)
+    coord.start()
+    feed = coord.feed("train")
+    got = [check_id_rows(feed.next_batch())]
+    for pid in child_pids(feed):
+        rss = _rss_anon_kib(pid)
+        assert rss < 60 * 1024, f"worker process {pid} holds {rss} KiB of anonymous memory for a 128 MiB file"
+    got += [check_id_rows(b) for b in feed]
+    assert sorted(np.concatenate(got).tolist()) == list(range(n // 4, n))
+
+
+def check_id_rows(batch) -> np.ndarray:
+    assert (batch["x"] == batch["id"][:, None]).all()
+    return batch["id"].copy()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_children_die_with_their_parent_even_in_c_code_holding_the_gil(method):
+    proc = spawn(f"""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.regex_forever, 4, num_worker_processes=2,
+                                                   mp_context={method!r})
+            coord.start()
+            feed = coord.feed("train")
+            while any(w.control is None for w in feed._fetchers._workers):
+                time.sleep(0.01)
+            print("pids", *[w.pid for w in feed._fetchers._workers], flush=True)
+            time.sleep(3600)
+    """)
+    pids = []
+    try:
+        pids = [int(p) for p in read_line(proc, "pids").split()[1:]]
+        time.sleep(0.3)  # well into the regex, where no Python thread of theirs runs
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        wait_until(lambda: all(exited(p) for p in pids), timeout=1.0, what="worker processes to die with their parent")
+    finally:
+        proc.kill()
+        proc.communicate()
+        for p in pids:  # without the fix they would burn a core each for a long time
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_a_process_shrinking_its_segments_cannot_crash_the_parent():
+    proc = spawn("""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.ShrinkSegments(64), 64, num_worker_processes=1,
+                                                   coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            feed = coord.feed("train")
+            total = 0.0
+            try:
+                for _ in range(10):
+                    held = [feed.next_batch(timeout=20) for _ in range(4)]
+                    time.sleep(0.05)  # the process truncates them meanwhile
+                    total += sum(float(b["x"].sum()) for b in held)
+                print("read", total, flush=True)
+            except feeder.FetchError as e:
+                print("failed", e, flush=True)
+            coord.stop()
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, f"the parent died ({proc.returncode}): {err[-2000:]}"
+    assert f"read {10 * 4 * 64 * 1024.0}" in out, out + err[-2000:]
+
+
+def test_a_segment_that_is_not_sealed_is_refused_with_a_fetch_error():
+    proc = spawn("""
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.ShrinkSegments(64, unsealed=True), 64,
+                                                   num_worker_processes=1, coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            feed = coord.feed("train")
+            try:
+                for _ in range(10):
+                    held = [feed.next_batch(timeout=20) for _ in range(4)]
+                    time.sleep(0.05)
+                    sum(float(b["x"].sum()) for b in held)
+                print("read", flush=True)
+            except feeder.FetchError as e:
+                print("failed", str(e).replace(chr(10), " "), flush=True)
+            coord.stop()
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, f"the parent died ({proc.returncode}): {err[-2000:]}"
+    assert "failed" in out and "worker 0" in out and "sealed" in out, out + err[-2000:]
+
+
+def test_the_parent_refuses_segments_and_layouts_it_cannot_trust(tmp_path):
+    from feeder import shm
+
+    device = shm.memory_device()
+    sealed = shm.new_fd(shm.GRANULE)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, shm.GRANULE)
+    r, w = os.pipe()
+    with open(tmp_path / "f", "wb") as f:
+        f.truncate(shm.GRANULE)
+        try:
+            shm.check_segment(sealed, shm.GRANULE, device)  # fine
+            for fd, size, what in [(sealed, 2 * shm.GRANULE, "said to hold"), (unsealed, shm.GRANULE, "not sealed"),
+                                   (r, 1, "not a memory file"), (f.fileno(), 1, "not a memory file")]:
+                with pytest.raises(shm.SegmentError, match=what):
+                    shm.check_segment(fd, size, device)
+            with pytest.raises(PermissionError):
+                os.ftruncate(sealed, 0)  # what the seal is for
+        finally:
+            for fd in (sealed, unsealed, r, w):
+                os.close(fd)
+    mem = bytearray(1024)
+    arrays, base = shm.arrays_from_slot(mem, [("shm", 64, "<f4", (4, 2)), ("shm", 0, "<f4", (3, 0))], 128)
+    assert arrays[0].shape == (4, 2) and arrays[1].shape == (3, 0) and base is not None
+    for layout, total in [([("shm", 1000, "<f4", (4, 2))], 1024), ([("shm", 0, "<f4", (4, 2))], 2048),
+                          ([("shm", -8, "<f4", (2,))], 64), ([("shm", 0, "O", (2,))], 64),
+                          ([("shm", 0, "<f4", (-1,))], 64), ([("mmap", 0)], 64)]:
+        with pytest.raises(shm.SegmentError):
+            shm.arrays_from_slot(mem, layout, total)
+
+
+# ---- sending functions to processes (cloudpickle) ------------------------------------------------
+def test_a_function_defined_in_python_c_runs_in_processes():
+    proc = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        def fetch(worker_id, batch_size):
+            return [np.full(4, worker_id, np.int64)]
+
+        def init(worker_id):
+            np.random.seed(worker_id)
+
+        coord = feeder.init_data_input_workers(None, ["x"], fetch, 4, num_worker_processes=2, worker_init_fun=init,
+                                               coordinator=feeder.GlobalCoordinator())
+        coord.start()
+        seen = set()
+        deadline = time.monotonic() + 20
+        while seen != {0, 1} and time.monotonic() < deadline:  # whichever process starts first
+            seen |= set(coord.feed("train").next_batch(timeout=20)["x"].tolist())
+        print("seen", sorted(seen), flush=True)
+        coord.stop()
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "seen [0, 1]" in out, err[-3000:]
+
+
+def test_lambdas_and_closures_run_in_processes(coord):
+    offset = 1000
+    register(coord, lambda w, b: [np.full(4, w + offset, np.int64)], 4, worker_init_fun=lambda w: None)
+    coord.start()
+    seen = set()
+    for _ in until(20):
+        seen |= set(coord.feed("train").next_batch()["x"].tolist())
+        if seen == {1000, 1001}:
+            break
+    assert seen == {1000, 1001}
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
+def test_multiprocessing_objects_held_by_fetch_fun_travel_as_multiprocessing_sends_them(coord, method):
+    import multiprocessing
+    ctx = multiprocessing.get_context(method)
+    counter, queue = ctx.Value("q", 0), ctx.Queue()
+    register(coord, utils.counted_fetch(counter, queue), 4, mp_context=method if method != "fork" else ctx)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(20):
+        feed.next_batch()
+    assert sorted([queue.get(timeout=10), queue.get(timeout=10)]) == [0, 1]  # one put per process
+    assert counter.value >= 20  # every call of both processes counted in the parent's Value
+
+
+def test_what_cannot_be_sent_to_a_process_is_a_type_error_at_registration(coord, tmp_path):
+    import multiprocessing
+
+    import onnxruntime as ort
+    from models import linear_model
+
+    lock = threading.Lock()
+    session = ort.InferenceSession(linear_model(), providers=["CPUExecutionProvider"])
+    with open(tmp_path / "f.txt", "w") as f:
+        cases = [
+            (lambda w, b: lock, "lock"),
+            (lambda w, b: session, "InferenceSession"),
+            (lambda w, b: f, "open file"),
+        ]
+        for fetch, what in cases:
+            with pytest.raises(TypeError, match=f"fetch_fun .*cannot be sent to worker processes.*{what}"):
+                register(coord, fetch, 4)
+        with pytest.raises(TypeError, match="worker_init_fun .*cannot be sent.*lock"):
+            register(coord, utils.random_probe, 4, worker_init_fun=lambda w: lock)
+    fork_lock = multiprocessing.get_context("fork").Lock()
+    with pytest.raises(TypeError, match="fork.*mp_context"):
+        register(coord, lambda w, b: fork_lock, 4)
+    assert coord.sources == []
+    register(coord, lambda w, b: fork_lock, 4, mp_context="fork")  # the same context: fine
+
+
+@pytest.mark.parametrize("method,slow", [("spawn", "startup"), ("spawn", "main module"),
+                                         ("forkserver", "main module")])
+def test_ctrl_c_while_children_start_gives_one_keyboard_interrupt_and_no_child_traceback(tmp_path, method, slow):
+    """A terminal's Ctrl-C while worker processes start: while a "spawn" child's interpreter starts
+    (a slow sitecustomize here), or while a child re-imports the main module (slow imports)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ.get("SLOW") == "startup" and "--multiprocessing-fork" in sys.argv:
+            print("child starting", flush=True)
+            time.sleep(2)
+    """))
+    script = tmp_path / "main.py"
+    script.write_text(PRELUDE + textwrap.dedent("""
+        if __name__ != "__main__" and os.environ.get("SLOW") == "main module":
+            print("child starting", flush=True)
+            time.sleep(2)
+        if __name__ == "__main__":
+            coord = feeder.init_data_input_workers(None, ["x"], utils.sleep_forever, 4, num_worker_processes=2,
+                                                   mp_context=sys.argv[1], coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            coord.feed("train").next_batch(timeout=60)
+    """))
+    env = dict(os.environ, SLOW=slow, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    try:
+        read_line(proc, "child starting")
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert err.count("KeyboardInterrupt") == 1, err
+    assert err.count("Traceback") == 1, err

@@ -350,3 +350,95 @@ def exits_cleanly(proc: subprocess.Popen, within: float = 3.0) -> None:
     assert time.monotonic() - t0 < within
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Fatal Python error" not in err, err
+
+
+class CountCalls:
+    """Appends a line to ``path`` at every call, in whichever process it runs; worker ``fail_worker``
+    (every worker if None) raises ValueError, the others return 4 rows after 1 ms."""
+
+    def __init__(self, path: str, fail_worker=None):
+        self.path, self.fail_worker = path, fail_worker
+
+    def __call__(self, worker_id: int, batch_size: int):
+        with open(self.path, "a") as f:
+            f.write(f"{worker_id}\n")
+        if self.fail_worker is None or worker_id == self.fail_worker:
+            raise ValueError("broken source")
+        time.sleep(0.001)
+        return rows_of_ones()
+
+
+def count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+class ZeroWidth(Sharded):
+    """A Sharded dataset whose second input has rows but no bytes: shape (rows, 0)."""
+
+    def __call__(self, worker_id: int, batch_size: int):
+        ids, _ = super().__call__(worker_id, batch_size)
+        return [ids, np.zeros((len(ids), 0), np.float32)]
+
+
+class ShrinkSegments:
+    """Hostile, for worker processes only: from its first call on it records a descriptor of every
+    shared-memory segment its process creates (feeder.shm.new_fd), and at every call truncates them
+    all to 0 bytes, as a buggy or malicious fetch_fun could. ``unsealed=True`` also makes the
+    segments without any seal. Returns ``rows`` rows of 1024 ones."""
+
+    def __init__(self, rows: int = 64, unsealed: bool = False):
+        self.rows, self.unsealed = rows, unsealed
+        self._kept = None
+
+    def __call__(self, worker_id: int, batch_size: int):
+        import os
+
+        from feeder import shm
+        if self._kept is None:
+            kept = self._kept = []
+            real = shm.new_fd
+
+            def spy(size, name="feeder"):
+                if self.unsealed:
+                    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+                    os.ftruncate(fd, size)
+                else:
+                    fd = real(size, name)
+                kept.append(os.dup(fd))
+                return fd
+
+            shm.new_fd = spy
+        for fd in self._kept:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass  # sealed against shrinking
+        return [np.ones((self.rows, 1024), np.float32)]
+
+
+def counted_fetch(counter, queue=None):
+    """A closure (cloudpickled to worker processes) holding multiprocessing objects: increments
+    ``counter`` (a multiprocessing Value) at every call and puts its worker id on ``queue`` once."""
+    seen = []
+
+    def fetch(worker_id, batch_size):
+        with counter.get_lock():
+            counter.value += 1
+        if queue is not None and not seen:
+            seen.append(worker_id)
+            queue.put(worker_id)
+        time.sleep(0.001)
+        return [np.full(4, worker_id, np.int64)]
+
+    return fetch
+
+
+def limit_open_files(worker_id: int) -> None:
+    """A worker_init_fun: this process may have 256 descriptors open (a process holds far fewer
+    than its hundreds of slots)."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

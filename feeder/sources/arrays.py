@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .base import ShardedSource
+from .mapped import FileRegion, file_region
 
 BLOCK_ROWS = 1024  # rows per unit of work: what one fetch returns, and what a shuffle keeps together
 
@@ -104,6 +105,17 @@ class ArraySource(ShardedSource):
                 h.update(data)
         self._fingerprint_cache = h.hexdigest()[:16]
         return self._fingerprint_cache
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Memory-mapped arrays are pickled as their file and offsets, not their contents (see
+        ``feeder.sources.mapped``): a worker process maps the file again."""
+        state = super().__getstate__()
+        state["arrays"] = [file_region(a) or a for a in self.arrays]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state["arrays"] = [a.open() if isinstance(a, FileRegion) else a for a in state["arrays"]]
+        super().__setstate__(state)
 
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         start = int(self._offsets[unit])
