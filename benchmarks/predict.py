@@ -185,7 +185,7 @@ class CommitClock:
     measured inside the call: a direct figure beside the difference of two whole runs."""
 
     def __init__(self) -> None:
-        from feeder.outputdir import OutputDir
+        from feeder.scoring.outputdir import OutputDir
 
         self.seconds = 0.0
         self._cls = OutputDir

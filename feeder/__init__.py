@@ -21,13 +21,13 @@ fetcher threads call ``fetch_fun``; an enqueuer thread per feed rebatches chunks
 logged to the ``"feeder"`` logger and handed to external loggers. See API.md for the contract.
 """
 from .api import init_data_input_workers
+from .chunkqueue import ChunkQueue
 from .coordinator import GlobalCoordinator, global_coordinator
 from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError, RemoteError
 from .feed import Feed
-from .predictor import PredictResult, predict  # imports pyarrow only when predict() runs
 from .prometheus import PrometheusLogger  # imports prometheus_client only when one is created
 from .runtime import OrtTrainingModule, StatefulSession
-from .source import ChunkQueue
+from .scoring.predictor import PredictResult, predict  # imports pyarrow only when predict() runs
 
 __all__ = [
     "init_data_input_workers", "predict", "PredictResult",

@@ -15,7 +15,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(usage, file=sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr, end="")
         return 0 if args and args[0] in ("-h", "--help") else 2
     if args[0] == "predict":
-        from . import predictcli
+        from .scoring import cli as predictcli
 
         return predictcli.main(args[1:])
     from . import bench

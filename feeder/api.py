@@ -9,14 +9,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .chunks import InputSpec, fixed_batch_inputs
+from .chunkqueue import ChunkQueue
 from .coordinator import GlobalCoordinator, global_coordinator
 from .feed import Feed, check_batch_size
-from .procfeed import ProcessOptions, get_context
+from .processes.parent import ProcessOptions, get_context
+from .processes.sending import check_sendable
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
-from .sending import check_sendable
-from .source import ChunkQueue
+from .validation import InputSpec, fixed_batch_inputs
 
 log = logging.getLogger("feeder")
 

@@ -16,14 +16,14 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .chunks import ChunkValidator, InputSpec
+from .chunkqueue import ChunkQueue
 from .errors import FeederError
 from .feed import Feed
+from .fetchers import join_all
 from .metrics import Monitor
 from .rowkeys import KeyLedger, source_state
-from .source import ChunkQueue
 from .sources.base import ROW_KEY, bind_sources, release_sources
-from .workers import join_all
+from .validation import ChunkValidator, InputSpec
 
 log = logging.getLogger("feeder")
 
@@ -149,14 +149,14 @@ class GlobalCoordinator:
     def _due_reports(self, now: float) -> List[Callable[[], None]]:
         with self._lock:
             feeds = list(self._feeds)
-        return [f._report for f in feeds if f._due_report(now)]
+        return [f.stats.report for f in feeds if f.stats.due_report(now)]
 
     def _tune_feeds(self, now: float) -> None:
         """The tuners' tick (num_worker_threads="auto"), on the monitor's tuner thread."""
         with self._lock:
             feeds = list(self._feeds)
         for f in feeds:
-            f._tune(now)
+            f.stats.tune(now)
 
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Stop and remove every feed and queue. True if every thread ended within ``timeout``
@@ -207,7 +207,7 @@ class GlobalCoordinator:
                 log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
         if monitor is not None:
             # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
-            reported = monitor.final([functools.partial(f._report, final=True) for f in feeds if f._started])
+            reported = monitor.final([functools.partial(f.stats.report, final=True) for f in feeds if f._started])
             if not stop_monitor and not reported.wait(max(deadline - time.monotonic(), MONITOR_JOIN_S)):
                 log.warning("feeder stop: the final throughput reports of %s did not finish in time (a slow "
                             "external logger?)", sorted({f.input_source_name for f in feeds}))
@@ -216,7 +216,7 @@ class GlobalCoordinator:
                 join_all(monitor.threads(), max(deadline, time.monotonic() + MONITOR_JOIN_S))
                 stragglers += [t for t in monitor.threads() if t.is_alive()]
         if stragglers:
-            details = [d for f in feeds for d in f.describe_workers()]
+            details = [d for f in feeds for d in f.stats.live_descriptions()]
             log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",
                         len(stragglers), ", ".join(t.name for t in stragglers),
                         "".join("\n  " + d for d in details))

@@ -19,18 +19,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, cast
 
 import numpy as np
 
-from .chunks import ChunkValidator, InputSpec
+from .chunkqueue import CLOSED, EMPTY, END, Chunk, ChunkQueue
+from .diagnosis import StageTimes
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
-from .feedreport import FeedReports
+from .feedstats import FeedStats
+from .fetchers import SLICE_S, ThreadFetchers
 from .metrics import ConsumerCounters, RateMeter
-from .procfeed import STACK_LEAD_S, ProcessOptions, ProcFetchers
-from .ready import ReadyQueue
+from .processes.parent import STACK_LEAD_S, ProcessOptions, ProcFetchers
+from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
 from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner
-from .source import CLOSED, EMPTY, END, Chunk, ChunkQueue
 from .tuning import Throttle, Tuner
-from .workers import SLICE_S, ThreadFetchers
+from .validation import ChunkValidator, InputSpec
 
 log = logging.getLogger("feeder")
 
@@ -51,7 +52,7 @@ class _EndOfData:
 _END_OF_DATA = _EndOfData()
 
 
-class Feed(FeedReports):
+class Feed:
     """One registration: ``num_worker_threads`` fetchers, one enqueuer, and the consumer calls.
 
     Created by :func:`feeder.init_data_input_workers`; get it back with
@@ -108,7 +109,7 @@ class Feed(FeedReports):
             self._ready.on_pop = source.row_keys.record
         self._ring = BufferRing(READY_MAX + 2)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
-        # One interface for both ways of fetching (feeder.workers, feeder.procfeed).
+        # One interface for both ways of fetching (feeder.fetchers, feeder.processes.parent).
         self._fetchers: Any
         if processes is not None:
             self._fetchers = ProcFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
@@ -155,6 +156,27 @@ class Feed(FeedReports):
     def mp_context(self) -> Optional[BaseContext]:
         """The multiprocessing context of this registration's worker processes; None for threads."""
         return self._mp_context
+
+    # ---- figures (feeder.feedstats) -------------------------------------------------------
+    @property
+    def stats(self) -> FeedStats:
+        """This feed's figures: metrics, diagnose(), reports, the tuner's tick. Made on each use
+        (it holds nothing but the feed), so that no reference cycle keeps a stopped feed alive."""
+        return FeedStats(self)
+
+    def metrics(self) -> Dict[str, float]:
+        """A snapshot of this feed's counters (``dict[str, float]``): rows along the batch axis,
+        times in seconds, bytes; see the README for every key. Frozen once the feed stopped."""
+        return self.stats.metrics()
+
+    def stage_times(self) -> StageTimes:
+        """The stage times behind :meth:`diagnose`, in seconds (see ``feeder.diagnosis``)."""
+        return self.stats.stage_times()
+
+    def diagnose(self) -> str:
+        """Plain sentences: which stage bounds throughput (input, model or the consumer's own
+        code), by how much, what to change, and the figures behind it (since start)."""
+        return self.stats.diagnose()
 
     def __repr__(self) -> str:
         return (f"Feed(source={self.input_source_name!r}, inputs={self.input_names}, batch_size={self._batch_size}, "
@@ -365,7 +387,7 @@ class Feed(FeedReports):
             # A producer held back by max_buffered_bytes may be what this consumer waits for.
             self.source.notify_room()
             warned = False
-            asked = False  # for the fetchers' stacks, a little before the deadline (feeder.procfeed)
+            asked = False  # for the fetchers' stacks, a little before the deadline (feeder.processes.parent)
             while True:
                 if self._stopped:
                     self._check_usable()
@@ -383,11 +405,11 @@ class Feed(FeedReports):
                 now = time.monotonic()
                 if now >= deadline:
                     self.counters.waited(now - start)
-                    raise FeedTimeout(self._diagnose(now - start)) from None
+                    raise FeedTimeout(self.stats.timeout_message(now - start)) from None
                 if not warned and now - start > SLOW_INPUT_WARN_S:
                     warned = True
                     log.warning("source %r: consumer has waited %.0f s for a batch: data input is slow (%s)",
-                                self.input_source_name, now - start, self._status_line())
+                                self.input_source_name, now - start, self.stats.status_line())
         finally:
             if not got:
                 self.counters.wait_ended()

@@ -13,11 +13,11 @@ Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` wit
 ``source`` (the feed's ``input_source_name``), as API.md says. Data-parallel replicas of a
 source are added up into the source's series: their per-feed counts and rates are summed,
 and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
-``live_workers``, ``batch_size``, ``uptime_s``: ``feeder.feedreport.SOURCE_KEYS``) is taken
+``live_workers``, ``batch_size``, ``uptime_s``: ``feeder.feedstats.SOURCE_KEYS``) is taken
 once. Every series is a gauge, so that its name is exactly ``<namespace>_<metric>`` (a
 Prometheus counter would be exposed as ``<namespace>_<metric>_total``). The totals (``batches``,
 ``rows``, ``fetch_calls``, the stage times ``fetch_s``, ``consumer_run_s``, ..., the ledger's
-``source_rows_*``: ``feeder.feedreport.TOTALS``) still never go back: what feeds that stopped
+``source_rows_*``: ``feeder.feedstats.TOTALS``) still never go back: what feeds that stopped
 contributed stays in them, and so does what earlier registrations of the source (earlier
 generations of its queue, before a stop) counted, so ``rate()`` and ``increase()`` work on them
 as on counters. Values of the moment (rates, queue sizes) follow the feeds still running.
@@ -25,7 +25,7 @@ Values are the feeds' latest reports (every ``log_interval`` and at stop): a scr
 touches the feeds' threads.
 
 The collector declares every family it may ever yield (``describe()``, from
-``feeder.feedreport.REPORT_KEYS``), so a name that another collector of the registry already
+``feeder.feedstats.REPORT_KEYS``), so a name that another collector of the registry already
 has (a gauge of your own called ``feeder_batches``, or a logger whose namespace overlaps, such
 as ``feeder_source`` beside ``feeder``) makes creating the logger raise prometheus_client's
 usual ``ValueError`` instead of duplicating families in the exposition.
@@ -47,7 +47,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
-from .feedreport import REPORT_KEYS, SOURCE_KEYS, TOTALS
+from .feedstats import REPORT_KEYS, SOURCE_KEYS, TOTALS
 
 LABELS = ("source",)
 

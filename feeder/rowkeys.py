@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .chunks import InputSpec
 from .sources.base import ROW_KEY, STATE_FORMAT, ranges_of
+from .validation import InputSpec
 
 log = logging.getLogger("feeder")
 

@@ -112,7 +112,7 @@ def test_byte_bound_below_six_batches_is_hard_when_the_consumer_stops_taking(coo
 def test_without_a_byte_bound_the_queue_stops_at_the_default_working_set(coord, ordered):
     """max_buffered_batches counts chunks: 800 chunks of 1 MiB would be 800 MiB, past every
     cache. The queue stops taking chunks at DEFAULT_QUEUE_BYTES (plus the one that crossed it)."""
-    from feeder.source import DEFAULT_QUEUE_BYTES
+    from feeder.chunkqueue import DEFAULT_QUEUE_BYTES
 
     chunk = np.ones((64, 4096), np.float32)  # 1 MiB
 

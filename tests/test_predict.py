@@ -18,8 +18,8 @@ import pytest
 
 import feeder
 from feeder.errors import FetchError, InputValidationError
-from feeder.outputdir import LOCK_NAME, STATE_NAME, OutputDir
-from feeder.partwriter import PartWriter
+from feeder.scoring.outputdir import LOCK_NAME, STATE_NAME, OutputDir
+from feeder.scoring.partwriter import PartWriter
 from feeder.sources import ArraySource
 
 pa = pytest.importorskip("pyarrow")
@@ -413,7 +413,7 @@ def test_writer_keeps_every_row_when_replicas_wait_for_buffers_together(tmp_path
     """Two replicas wait for a free buffer while the writer is behind; the first to get one fills
     it partly; the second must fill that same buffer, not take the next free one in its place (the
     rows in the first were lost that way)."""
-    import feeder.partwriter as partwriter
+    import feeder.scoring.partwriter as partwriter
 
     monkeypatch.setattr(partwriter, "BUFFERS", 2)
     gates = {0: threading.Event(), 1: threading.Event()}  # the writer waits in these parts' commits

@@ -60,7 +60,7 @@ def test_every_row_once_aligned_and_the_ledger_balances(coord):
 def test_a_consumer_that_keeps_every_batch_never_runs_out_of_shared_memory_slots(coord):
     """Batches of one slot each are handed out as views of it; a consumer keeping all of them (a
     list(feed)) holds every slot. Past half of a process's slots, chunks are copied out instead."""
-    from feeder.shm import MAX_SLOTS
+    from feeder.processes.shm import MAX_SLOTS
 
     n = (MAX_SLOTS + 200) * 10
     register(coord, Sharded(n, 1, sizes=(10,)), 10, names=("id", "x"), num_worker_processes=1)
@@ -753,7 +753,7 @@ def test_a_segment_that_is_not_sealed_is_refused_with_a_fetch_error():
 
 
 def test_the_parent_refuses_segments_and_layouts_it_cannot_trust(tmp_path):
-    from feeder import shm
+    from feeder.processes import shm
 
     device = shm.memory_device()
     sealed = shm.new_fd(shm.GRANULE)

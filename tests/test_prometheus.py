@@ -10,7 +10,7 @@ import pytest
 from utils import ListLogger, wait_until
 
 import feeder
-from feeder.feedreport import METRIC_KEYS, REPORT_KEYS, TOTALS
+from feeder.feedstats import METRIC_KEYS, REPORT_KEYS, TOTALS
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -203,7 +203,7 @@ def test_totals_keep_what_stopped_replicas_contributed(coord):
 
 
 def test_every_key_a_feed_reports_is_declared(coord):
-    """describe() lists the families from feeder.feedreport: the feeds' keys must all be there."""
+    """describe() lists the families from feeder.feedstats: the feeds' keys must all be there."""
     logger = ListLogger()
     feeder.init_data_input_workers(None, ["x"], chunk, 4, num_worker_threads=1, external_loggers=[logger],
                                    coordinator=coord)

@@ -68,7 +68,7 @@ def run_auto(coord, fetch, seconds, **options):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         feed.next_batch()
-        seen.append(feed._active_workers())
+        seen.append(feed.stats.active_workers())
     return feed, seen
 
 

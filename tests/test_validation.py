@@ -102,7 +102,7 @@ def test_unsafe_cast_still_raises(coord, mode):
 
 def test_narrowing_cast_out_of_range_raises(coord):
     big = np.array([[0], [1], [2**40]], dtype=np.int64)
-    from feeder.chunks import ChunkValidator, InputSpec
+    from feeder.validation import ChunkValidator, InputSpec
 
     v = ChunkValidator("s", ["k"], [0], [InputSpec("k", np.dtype(np.int32), (None, 1))], cast=True,
                        dont_rebatch=False)
@@ -187,7 +187,7 @@ def test_zero_dimensional_array_after_good_chunks(coord):
 ])
 def test_cast_never_turns_a_finite_value_infinite(src, dst, value):
     """Issue 9, defect 3: integer targets were range-checked, float targets were not."""
-    from feeder.chunks import ChunkValidator, InputSpec
+    from feeder.validation import ChunkValidator, InputSpec
 
     v = ChunkValidator("s", ["x"], [0], [InputSpec("x", np.dtype(dst), (None, 1))], cast=True, dont_rebatch=False)
     ok = v([np.array([[1], [2]], src)], 0)[0]
@@ -197,7 +197,7 @@ def test_cast_never_turns_a_finite_value_infinite(src, dst, value):
 
 
 def test_cast_keeps_infinities_and_nans_that_were_there():
-    from feeder.chunks import ChunkValidator, InputSpec
+    from feeder.validation import ChunkValidator, InputSpec
 
     v = ChunkValidator("s", ["x"], [0], [InputSpec("x", np.dtype(np.float32), (None, 1))], cast=True,
                        dont_rebatch=False)
@@ -311,7 +311,7 @@ def test_a_pickled_validator_keeps_its_fast_path(inputs):
     identity, so unpickled dtypes must be numpy's own objects again or every chunk is checked in full."""
     import pickle
 
-    from feeder.chunks import ChunkValidator, InputSpec
+    from feeder.validation import ChunkValidator, InputSpec
 
     names = ["x", "y"][:inputs]
     v = ChunkValidator("train", names, [0] * inputs, [InputSpec(n) for n in names], cast=False, dont_rebatch=False)

@@ -386,7 +386,7 @@ class ZeroWidth(Sharded):
 
 class ShrinkSegments:
     """Hostile, for worker processes only: from its first call on it records a descriptor of every
-    shared-memory segment its process creates (feeder.shm.new_fd), and at every call truncates them
+    shared-memory segment its process creates (feeder.processes.shm.new_fd), and at every call truncates them
     all to 0 bytes, as a buggy or malicious fetch_fun could. ``unsealed=True`` also makes the
     segments without any seal. Returns ``rows`` rows of 1024 ones."""
 
@@ -397,7 +397,7 @@ class ShrinkSegments:
     def __call__(self, worker_id: int, batch_size: int):
         import os
 
-        from feeder import shm
+        from feeder.processes import shm
         if self._kept is None:
             kept = self._kept = []
             real = shm.new_fd

@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import FeederError, InputValidationError
-from ..workers import join_all
+from ..fetchers import join_all
 from .arrow import to_numpy
 from .base import ROW_KEY, SourceBinding
 

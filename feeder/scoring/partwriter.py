@@ -6,7 +6,7 @@ being filled (one copy per byte; the replica's output buffers are then free for 
 A full buffer goes to the writer thread, which turns it into Arrow arrays without a copy (numeric
 columns; an n-d column becomes nested fixed-size lists), appends it as one row group to the part
 file being written, and hands the buffer back. When a part has ``rows_per_file`` rows (or the data
-ended), the writer closes it and commits it (:class:`~feeder.outputdir.OutputDir`: fsync, rename,
+ended), the writer closes it and commits it (:class:`~feeder.scoring.outputdir.OutputDir`: fsync, rename,
 fsync the directory), then calls ``on_commit`` with the part and the row keys it holds, which
 records the new state. So a part's keys reach the state only once the part is durable.
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import FeederError
+from ..errors import FeederError
 from .outputdir import OutputDir, part_name, tmp_part_name
 
 log = logging.getLogger("feeder")
@@ -86,7 +86,7 @@ class PartWriter:
 
     def __init__(self, out: OutputDir, names: Sequence[str], *, rows_per_file: int, first_part: int,
                  on_commit: OnCommit, keyed: bool, durable: bool = True, thread_name: str = "feeder:predict:writer"):
-        from .sources.parquet import import_pyarrow  # the caller checked that it is installed
+        from ..sources.parquet import import_pyarrow  # the caller checked that it is installed
 
         self._pa = import_pyarrow()
         self.out = out

@@ -2,15 +2,15 @@
 
 ``worker_main`` is a module-level function with explicit arguments (after PyTorch's
 ``_worker_loop`` and torchdata's ``_populate_queue``), started by the parent's
-``feeder.procfeed`` with the start method the registration chose. In the child it:
+``feeder.processes.parent`` with the start method the registration chose. In the child it:
 
 * arms its *lifeline* (see :func:`arm_lifeline`): the kernel kills the process when the main
   process dies, whatever the process is doing, even inside C code that holds the GIL;
 * ignores SIGINT (Ctrl-C in a terminal reaches the whole process group: the parent raises one
   ``KeyboardInterrupt`` and stops its workers; children must not print a traceback each; the
-  parent starts them with SIGINT blocked or ignored, see ``feeder.procfeed``), and enables
+  parent starts them with SIGINT blocked or ignored, see ``feeder.processes.parent``), and enables
   ``faulthandler`` so a crash in C code leaves a stack on stderr;
-* rebuilds ``fetch_fun`` and ``worker_init_fun`` from what was sent (``feeder.sending``);
+* rebuilds ``fetch_fun`` and ``worker_init_fun`` from what was sent (``feeder.processes.sending``);
 * seeds ``random`` and numpy's global generator from ``(seed, worker_id)``;
 * runs ``worker_init_fun(worker_id)``, then calls ``fetch_fun`` until ``StopIteration``, a
   fatal error, or the parent's stop. After an exception in ``fetch_fun`` it waits for the
@@ -21,7 +21,7 @@
   learned when the process started), casts where ``cast=True``, and coalesces chunks smaller
   than a batch into whole batches (not for ordered sources nor ``dont_rebatch``): the copy into
   shared memory is then the only copy, and the parent hands the batch on without one;
-* writes the arrays once into a free slot of its ring (``feeder.shm``) and sends the parent
+* writes the arrays once into a free slot of its ring (``feeder.processes.shm``) and sends the parent
   their layout; it waits while ``MAX_INFLIGHT`` chunks are not yet queued by the parent
   (back-pressure: a full source stops the process) or while no slot is free.
 
@@ -50,9 +50,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .chunks import ChunkValidator
-from .errors import InputValidationError
-from .rebatcher import take_rows
+from ..errors import InputValidationError
+from ..rebatcher import take_rows
+from ..validation import ChunkValidator
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -380,7 +380,7 @@ def arm_lifeline(read_end: Connection, close_fds: Sequence[int], death_ppid: Opt
 
 def ignore_sigint() -> None:
     """SIGINT ignored, then unblocked (the parent may start a child with it blocked, see
-    ``feeder.procfeed``): a Ctrl-C that came meanwhile is discarded, not delivered."""
+    ``feeder.processes.parent``): a Ctrl-C that came meanwhile is discarded, not delivered."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

@@ -1,11 +1,11 @@
 """The parent's side of worker processes: start them, turn their shared-memory slots into chunks.
 
-:class:`ProcFetchers` offers the feed the same interface as ``feeder.workers.ThreadFetchers``
+:class:`ProcFetchers` offers the feed the same interface as ``feeder.fetchers.ThreadFetchers``
 (``states``, ``start``, ``set_batch_size``, ``signal_stop``, ``threads``, ``describe``), so the
 feed has one way of fetching; only here is it known that ``fetch_fun`` runs elsewhere.
 
 Per worker process, one *receiver* thread in the parent reads the child's messages (see
-``feeder.procworker``): a chunk becomes numpy views onto the child's slot, checked against the
+``feeder.processes.child``): a chunk becomes numpy views onto the child's slot, checked against the
 source's validator (children learn shapes independently, the source decides), put on the
 source's queue like a fetcher thread's chunk, and the slot is handed back when the last view
 is gone. The receiver is also where the child's failures become the source's failure:
@@ -18,8 +18,8 @@ is gone. The receiver is also where the child's failures become the source's fai
 
 * a source that failed (this worker, another one, or a bad chunk): the receiver sets the
   child's STOP flag, so no process of a failed source calls ``fetch_fun`` again (the child
-  waits for the parent's verdict after each exception, see ``feeder.procworker``);
-* a segment or layout the parent cannot trust (``feeder.shm.SegmentError``: not sealed against
+  waits for the parent's verdict after each exception, see ``feeder.processes.child``);
+* a segment or layout the parent cannot trust (``feeder.processes.shm.SegmentError``: not sealed against
   shrinking, smaller than said, an offset outside it): ``FetchError`` naming the worker, never a
   crash of the parent.
 
@@ -30,9 +30,9 @@ every process so none is left as a zombie; ``close()`` then releases the process
 pages, lifelines and descriptors at once, not when the garbage collector gets to them.
 
 Starting a process (``start``): ``fetch_fun`` and ``worker_init_fun`` travel with cloudpickle
-(``feeder.sending``); each child gets the read end of its own *lifeline* pipe, whose write end
+(``feeder.processes.sending``); each child gets the read end of its own *lifeline* pipe, whose write end
 only this (main) process holds, so the kernel kills the child when this process dies (see
-``feeder.procworker.arm_lifeline``); and a Ctrl-C while they start gives one
+``feeder.processes.child.arm_lifeline``); and a Ctrl-C while they start gives one
 ``KeyboardInterrupt``, in the parent, once every process is started and known (``_ctrl_c_held``),
 and no traceback from any child: with "spawn" and "fork" the starting thread blocks SIGINT
 while a child is made (the child inherits the mask, ignores SIGINT, then unblocks it), and with
@@ -59,9 +59,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .chunks import ChunkValidator
-from .errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
-from .procworker import worker_main
+from ..chunkqueue import Chunk, ChunkQueue
+from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
+from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
+from ..tuning import Throttle
+from ..validation import ChunkValidator
+from .child import worker_main
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -79,9 +82,6 @@ from .shm import (
     map_fd,
     memory_device,
 )
-from .source import Chunk, ChunkQueue
-from .tuning import Throttle
-from .workers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
 
 log = logging.getLogger("feeder")
 
@@ -100,7 +100,7 @@ REPLY_WAIT_S = 0.03     # of STACK_WAIT_S, the most spent waiting for answers
 DEFAULT_STOP_S = 5.0    # the reaper's budget when the caller gives no deadline
 # Imported once in the forkserver, so each child starts in milliseconds (cloudpickle: for functions
 # sent by value).
-PRELOAD = ["feeder.procworker", "cloudpickle"]
+PRELOAD = ["feeder.processes.child", "cloudpickle"]
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class _Worker:
         self.stack_asked = 0.0  # when a stack request was sent that is not answered yet (0.0: none)
         self.batch_size = 0
         self.go = True
-        self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see procworker)
+        self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see feeder.processes.child)
         self.stacks_read = 0
 
     def ask_fault_stacks(self) -> bool:
@@ -279,7 +279,7 @@ class ProcFetchers:
         self._throttle = throttle
         self._reaper: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        self._device: Optional[int] = None  # where children's segments must live (feeder.shm.check_segment)
+        self._device: Optional[int] = None  # where children's segments must live (feeder.processes.shm.check_segment)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, batch_size: int, coalesce: bool) -> None:
@@ -635,7 +635,7 @@ class ProcFetchers:
         return True
 
     def _refuse(self, w: _Worker, e: Exception, what: str = "") -> None:
-        """The child sent something the parent cannot safely use (feeder.shm.SegmentError): the source
+        """The child sent something the parent cannot safely use (feeder.processes.shm.SegmentError): the source
         fails, naming the worker; the parent never maps or reads it."""
         state = w.state
         state.set("failed")

@@ -30,11 +30,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .chunks import ChunkValidator
+from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .errors import Failure, FeederError, FetchError, InputValidationError
 from .rebatcher import BufferRing, Rebatcher
-from .source import CLOSED, Chunk, ChunkQueue
 from .tuning import Throttle
+from .validation import ChunkValidator
 
 log = logging.getLogger("feeder")
 
@@ -430,7 +430,7 @@ class ThreadFetchers:
     """The fetchers of one feed as threads running :func:`fetch_loop`.
 
     The feed reaches its fetchers only through this interface, which
-    ``feeder.procfeed.ProcFetchers`` offers too: ``states`` (one :class:`WorkerState` each),
+    ``feeder.processes.parent.ProcFetchers`` offers too: ``states`` (one :class:`WorkerState` each),
     ``start``, ``set_batch_size``, ``signal_stop``, ``threads``, ``close``, ``request_stacks`` and
     ``describe``.
     """

@@ -1,22 +1,17 @@
 """What a feed reports about itself: metrics, the status in a FeedTimeout, ``diagnose()``, the
-periodic log line, and the tuner's tick. A mixin of :class:`feeder.feed.Feed`, split off so that
-``feed.py`` holds the data path (fetchers, enqueuer, consumer calls, ledger) and this module
-the figures about it."""
+periodic log line, and the tuner's tick. :class:`FeedStats` reads a feed's counters and never
+touches its data path, so that ``feed.py`` holds the data path (fetchers, enqueuer, consumer
+calls, ledger) and this module the figures about it."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Tuple
 
 from .diagnosis import StageTimes, verdict
-from .metrics import ConsumerCounters, RateMeter, send_to_external_loggers
-from .ready import ReadyQueue
-from .rebatcher import BufferRing, Rebatcher
+from .metrics import send_to_external_loggers
 from .runtime import intra_op_threads
-from .source import ChunkQueue
 from .sources.base import describe_source
-from .tuning import Throttle, Tuner
 
 log = logging.getLogger("feeder")
 
@@ -50,88 +45,70 @@ SOURCE_KEYS: FrozenSet[str] = frozenset(
     + ["queue_size", "queue_capacity", "live_workers", "batch_size", "uptime_s"])
 
 
-class FeedReports:
-    """Metrics, diagnosis and reports of a feed (mixed into ``Feed``, which sets these attributes)."""
+class FeedStats:
+    """The figures of one feed: its metrics, the status a FeedTimeout gives, ``diagnose()``, the
+    periodic report and the tuner's tick. It reads the feed's counters and never changes the data
+    path; ``Feed`` holds one (``feed.stats``) and its public ``metrics()``, ``diagnose()`` and
+    ``stage_times()`` are this object's."""
 
-    source: ChunkQueue
-    session: Any
-    input_source_name: str
-    external_loggers: List[Any]
-    log_interval: float
-    counters: ConsumerCounters
-    _batch_size: int
-    _fetch_fun: Callable[[int, int], Any]
-    _fetchers: Any
-    _workers: List[Any]
-    _ready: ReadyQueue
-    _ring: BufferRing
-    _rebatcher: Rebatcher
-    _meter: RateMeter
-    _tuner: Optional[Tuner]
-    _throttle: Optional[Throttle]
-    _enqueuer_thread: Optional[threading.Thread]
-    _started: bool
-    _stopped: bool
-    _ended: bool
-    _rows_dropped: int
-    _next_report: float
-    _frozen_at: float
+    def __init__(self, feed: Any):
+        self.feed = feed
 
-    def _status_line(self) -> str:
-        live = self.source.live_workers()
-        return (f"queue {self.source.qsize()}/{self.source.maxsize} chunks ({self.source.queued_rows} rows), "
-                f"{len(self._ready)} ready batches, {self._rebatcher.pending_rows} rows pending a batch, "
-                f"live fetchers {live}")
+    def status_line(self) -> str:
+        feed, source = self.feed, self.feed.source
+        return (f"queue {source.qsize()}/{source.maxsize} chunks ({source.queued_rows} rows), "
+                f"{len(feed._ready)} ready batches, {feed._rebatcher.pending_rows} rows pending a batch, "
+                f"live fetchers {source.live_workers()}")
 
-    def _diagnose(self, waited: float) -> str:
+    def timeout_message(self, waited: float) -> str:
         now = time.monotonic()
-        lines = [f"source {self.input_source_name!r}: no batch within {waited:.2f} s: {self._status_line()}"]
-        what = describe_source(self._fetch_fun)
+        lines = [f"source {self.feed.input_source_name!r}: no batch within {waited:.2f} s: {self.status_line()}"]
+        what = describe_source(self.feed._fetch_fun)
         if what:
             lines.append(f"  fetch_fun: {what}")
-        for line in self._fetchers.describe(now, stack_after_s=min(1.0, waited / 2)):
+        for line in self.feed._fetchers.describe(now, stack_after_s=min(1.0, waited / 2)):
             lines.append("  " + line)
-        enq = self._enqueuer_thread
+        enq = self.feed._enqueuer_thread
         if enq is not None and not enq.is_alive():
             lines.append("  the enqueuer thread has exited")
         return "\n".join(lines)
 
-    def describe_workers(self) -> List[str]:
-        return list(self._fetchers.live_descriptions())
+    def live_descriptions(self) -> List[str]:
+        return list(self.feed._fetchers.live_descriptions())
 
-    def _now(self) -> float:
+    def now(self) -> float:
         """The moment figures are taken at: now while the feed works; once it stopped or handed out
         its end of data, that moment, so that rates and shares do not decay afterwards."""
-        return self._frozen_at or time.monotonic()
+        return self.feed._frozen_at or time.monotonic()
 
     def metrics(self) -> Dict[str, float]:
         """A snapshot of counters: rows are rows along the batch axis, times are seconds."""
-        return self._metrics(self._now())
+        return self.metrics_at(self.now())
 
-    def _metrics(self, now: float) -> Dict[str, float]:
-        c = self.counters.snapshot()
-        src = self.source
+    def metrics_at(self, now: float) -> Dict[str, float]:
+        c = self.feed.counters.snapshot()
+        src = self.feed.source
         ledger = src.ledger()
         m: Dict[str, float] = {
-            "inputs_per_sec": self._meter.overall(c["rows"], now) if self._started else 0.0,
-            "batches_per_sec": self._meter.overall(c["batches"], now) if self._started else 0.0,
+            "inputs_per_sec": self.feed._meter.overall(c["rows"], now) if self.feed._started else 0.0,
+            "batches_per_sec": self.feed._meter.overall(c["batches"], now) if self.feed._started else 0.0,
             "queue_size": float(src.qsize()),
             "queue_capacity": float(src.maxsize),
-            "ready_batches": float(len(self._ready)),
-            "batch_size": float(self._batch_size),
+            "ready_batches": float(len(self.feed._ready)),
+            "batch_size": float(self.feed._batch_size),
             "batches": c["batches"],
             "rows": c["rows"],
-            "chunks_fetched": float(sum(w.chunks for w in self._workers)),
-            "rows_fetched": float(sum(w.rows for w in self._workers)),
-            "fetch_calls": float(sum(w.calls for w in self._workers)),
-            "none_chunks": float(sum(w.none_chunks for w in self._workers)),
-            "empty_chunks": float(sum(w.empty_chunks for w in self._workers)),
-            "fetch_errors": float(sum(w.fetch_errors for w in self._workers)),
-            "rows_dropped": float(self._rows_dropped),
+            "chunks_fetched": float(sum(w.chunks for w in self.feed._workers)),
+            "rows_fetched": float(sum(w.rows for w in self.feed._workers)),
+            "fetch_calls": float(sum(w.calls for w in self.feed._workers)),
+            "none_chunks": float(sum(w.none_chunks for w in self.feed._workers)),
+            "empty_chunks": float(sum(w.empty_chunks for w in self.feed._workers)),
+            "fetch_errors": float(sum(w.fetch_errors for w in self.feed._workers)),
+            "rows_dropped": float(self.feed._rows_dropped),
             "consumer_wait_s": c["wait_s"],
             "live_workers": float(len(src.live_workers())),
-            "active_workers": float(self._active_workers()),
-            "uptime_s": now - self._meter.start if self._started else 0.0,
+            "active_workers": float(self.active_workers()),
+            "uptime_s": now - self.feed._meter.start if self.feed._started else 0.0,
             "source_rows_fetched": float(ledger["rows_fetched"]),
             "source_rows_delivered": float(ledger["rows_delivered"]),
             "source_rows_dropped": float(ledger["rows_dropped"]),
@@ -139,16 +116,16 @@ class FeedReports:
             "source_rows_buffered": float(ledger["rows_fetched"] - ledger["rows_delivered"] - ledger["rows_dropped"]
                                           - ledger["rows_discarded"]),
             "source_bytes_held": float(src.bytes_held),
-            "buffer_allocations": float(self._ring.allocations),
+            "buffer_allocations": float(self.feed._ring.allocations),
             "bytes_delivered": c["bytes"],
-            "bytes_copied": float(self._rebatcher.copied_bytes + sum(w.copied_bytes for w in self._workers)),
-            "zero_copy_batches": float(self._rebatcher.zero_copy_batches),
+            "bytes_copied": float(self.feed._rebatcher.copied_bytes + sum(w.copied_bytes for w in self.feed._workers)),
+            "zero_copy_batches": float(self.feed._rebatcher.zero_copy_batches),
         }
         m.update(self._stage_metrics(now, c))
         return {k: float(v) for k, v in m.items()}  # the contract: dict[str, float]
 
     def _stage_metrics(self, now: float, c: Dict[str, float]) -> Dict[str, float]:
-        w = self._workers
+        w = self.feed._workers
         return {
             "consumer_run_s": c["run_s"], "consumer_between_s": c["between_s"],
             "fetch_s": sum(s.fetch_s for s in w), "fetch_blocked_s": sum(s.blocked_s for s in w),
@@ -160,62 +137,65 @@ class FeedReports:
     def stage_times(self) -> StageTimes:
         """The stage times behind :meth:`diagnose` (seconds; see ``feeder.diagnosis``): the
         fetchers that ran, for the time they ran (parked ones are left out)."""
-        now = self._now()
-        m = self._metrics(now)
-        running = [s.running_s(now) for s in self._workers]
+        now = self.now()
+        m = self.metrics_at(now)
+        running = [s.running_s(now) for s in self.feed._workers]
         return StageTimes(
             elapsed_s=m["uptime_s"], batches=m["batches"], rows=m["rows"], consumer_wait_s=m["consumer_wait_s"],
             consumer_run_s=m["consumer_run_s"], consumer_between_s=m["consumer_between_s"],
-            workers=sum(1 for r in running if r > 0), mode=self._fetchers.mode,
+            workers=sum(1 for r in running if r > 0), mode=self.feed._fetchers.mode,
             fetch_s=m["fetch_s"],
             fetch_blocked_s=m["fetch_blocked_s"], fetch_wall_s=m["fetch_wall_s"], fetch_cpu_s=m["fetch_cpu_s"],
             fetch_cpu_wall_s=m["fetch_cpu_wall_s"], rows_fetched=m["rows_fetched"],
             queue_capacity=m["queue_capacity"],
-            intra_op_threads=intra_op_threads(self.session) if self.session is not None else None,
-            fetch_longest_s=max(running, default=0.0), auto=self._tuner is not None)
+            intra_op_threads=intra_op_threads(self.feed.session) if self.feed.session is not None else None,
+            fetch_longest_s=max(running, default=0.0), auto=self.feed._tuner is not None)
 
     def diagnose(self) -> str:
         """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),
         by how much, what to change, and the figures behind it (cumulative since start)."""
         text = verdict(self.stage_times())
-        what = describe_source(self._fetch_fun)
+        what = describe_source(self.feed._fetch_fun)
         return f"{text}\nSource: {what}." if what else text
 
-    def _report(self, final: bool = False) -> None:
-        now = self._now()
-        m = self._metrics(now)
-        rate = self._meter.rate(m["rows"], now)
+    def report(self, final: bool = False) -> None:
+        now = self.now()
+        m = self.metrics_at(now)
+        rate = self.feed._meter.rate(m["rows"], now)
         m["inputs_per_sec_interval"] = rate
         log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
-                 "%d ready, %d live fetchers, %d active%s", self.input_source_name, " (final)" if final else "", rate,
+                 "%d ready, %d live fetchers, %d active%s", self.feed.input_source_name, " (final)" if final else "",
+                 rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
-                 m["live_workers"], m["active_workers"], " (auto)" if self._tuner is not None else "")
-        if final and self._started:
-            log.info("feeder source %r: %s", self.input_source_name, self.diagnose())
-        send_to_external_loggers(self.external_loggers, m, self.input_source_name, feed=self)
+                 m["live_workers"], m["active_workers"], " (auto)" if self.feed._tuner is not None else "")
+        if final and self.feed._started:
+            log.info("feeder source %r: %s", self.feed.input_source_name, self.diagnose())
+        send_to_external_loggers(self.feed.external_loggers, m, self.feed.input_source_name, feed=self.feed)
 
-    def _active_workers(self) -> int:
+    def active_workers(self) -> int:
         """This feed's fetchers that may call fetch_fun now (not parked, not ended)."""
-        live = sum(1 for s in self._workers if s.thread is not None and s.thread.is_alive()
+        live = sum(1 for s in self.feed._workers if s.thread is not None and s.thread.is_alive()
                    and not s.state.startswith(("ended", "failed")))
-        if self._throttle is not None:
-            return min(live, self._throttle.running()) if self._started else self._throttle.running()
-        return live if self._started else len(self._workers)
+        throttle = self.feed._throttle
+        if throttle is not None:
+            running: int = throttle.running()
+            return min(live, running) if self.feed._started else running
+        return live if self.feed._started else len(self.feed._workers)
 
-    def _tune(self, now: float) -> None:
+    def tune(self, now: float) -> None:
         """Let the tuner see the last window (called by the coordinator's monitor thread)."""
-        tuner = self._tuner
-        if tuner is None or not self._started or self._stopped or self._ended:
+        tuner = self.feed._tuner
+        if tuner is None or not self.feed._started or self.feed._stopped or self.feed._ended:
             return
-        rows, batches, wait_s = self.counters.so_far(now)  # with the waits still going on
+        rows, batches, wait_s = self.feed.counters.so_far(now)  # with the waits still going on
         new = tuner.observe(now, rows, wait_s, batches)
-        if new is not None and self._throttle is not None:
-            self._throttle.set_limit(new)
-            log.debug("source %r: %d fetchers run now (%s)", self.input_source_name, new,
+        if new is not None and self.feed._throttle is not None:
+            self.feed._throttle.set_limit(new)
+            log.debug("source %r: %d fetchers run now (%s)", self.feed.input_source_name, new,
                       tuner.decisions[-1] if tuner.decisions else "probing")
 
-    def _due_report(self, now: float) -> bool:
-        if self._started and not self._stopped and now >= self._next_report:
-            self._next_report = now + self.log_interval
+    def due_report(self, now: float) -> bool:
+        if self.feed._started and not self.feed._stopped and now >= self.feed._next_report:
+            self.feed._next_report = now + self.feed.log_interval
             return True
         return False

@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
+from feeder.chunkqueue import CLOSED, EMPTY, END, Chunk, ChunkQueue
 from feeder.errors import Failure, FetchError
-from feeder.source import CLOSED, EMPTY, END, Chunk, ChunkQueue
 
 
 def chunk(worker, rows, width=1):

@@ -11,11 +11,11 @@ How it runs: one private coordinator; ``replicas`` registrations of the source u
 "predict", each consumed by its own thread calling ``feed.run()`` on one
 :class:`~feeder.runtime.PredictSession` (IOBinding on the shared session, one binding and one set
 of reused output buffers per thread); each replica hands its batch's outputs, kept columns and
-row keys to a :class:`~feeder.partwriter.PartWriter`, whose writer thread appends them to Parquet
-part files and commits each part (:mod:`feeder.outputdir`).
+row keys to a :class:`~feeder.scoring.partwriter.PartWriter`, whose writer thread appends them to Parquet
+part files and commits each part (:mod:`feeder.scoring.outputdir`).
 
 Exactly once: the state file (``_feeder_predict.json``, format :data:`STATE_FORMAT`) lists the
-committed parts and holds a source state (``feeder.source-state/1``, as ``coord.state_dict``
+committed parts and holds a source state (``feeder.chunkqueue-state/1``, as ``coord.state_dict``
 gives it) whose delivered rows are exactly the rows in those parts: it is built from the row keys
 of each part as the part is committed, never from what the replicas were handed. Calling again
 with the same arguments resumes from it (``resume_from=``): committed rows are not fetched
@@ -36,13 +36,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .api import init_data_input_workers
-from .coordinator import GlobalCoordinator
-from .errors import FeederError
-from .outputdir import PART_RE, STATE_NAME, OutputDir
-from .partwriter import CommittedPart, PartWriter
-from .rowkeys import KeyLedger, merge_ranges, source_state
-from .runtime import (
+from ..api import init_data_input_workers
+from ..coordinator import GlobalCoordinator
+from ..errors import FeederError
+from ..rowkeys import KeyLedger, merge_ranges, source_state
+from ..runtime import (
     PredictSession,
     import_onnxruntime,
     is_session,
@@ -51,7 +49,9 @@ from .runtime import (
     session_model_bytes,
     session_model_path,
 )
-from .sources.base import ROW_KEY, ShardedSource, ranges_of
+from ..sources.base import ROW_KEY, ShardedSource, ranges_of
+from .outputdir import PART_RE, STATE_NAME, OutputDir
+from .partwriter import CommittedPart, PartWriter
 
 log = logging.getLogger("feeder")
 
@@ -274,8 +274,8 @@ class _Plan:
 def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], feed_names: List[str]) -> None:
     """ValueError naming a model input or kept input the source lacks, where the source can tell
     (a plain fetch function is checked at its first chunk, before the model runs)."""
-    from .sources.arrays import ArraySource
-    from .sources.parquet import ParquetSource
+    from ..sources.arrays import ArraySource
+    from ..sources.parquet import ParquetSource
 
     names: Optional[List[str]] = None
     if isinstance(source, ArraySource) and source.names is not None:
