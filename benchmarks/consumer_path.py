@@ -146,6 +146,22 @@ def switches() -> Dict[str, int]:
     return out
 
 
+def interrupts() -> Dict[str, int]:
+    """Machine-wide TLB shootdowns and rescheduling interrupts so far, all CPUs (Linux; zeros
+    elsewhere). Freeing a large array unmaps its pages, and every other CPU running this process
+    must then flush its TLB: an interrupt in the middle of ONNX Runtime's work."""
+    out = {"TLB": 0, "RES": 0}
+    try:
+        with open("/proc/interrupts") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in out:
+                    out[key] = sum(int(x) for x in line.split(":", 1)[1].split() if x.isdigit())
+    except OSError:
+        pass
+    return out
+
+
 def fed(model: bytes, seconds: float, chunk: int, threads: int = 0, processes: int = 0) -> Dict[str, float]:
     sess = StampedSession(session(model))
     coord = feeder.GlobalCoordinator()
@@ -159,7 +175,7 @@ def fed(model: bytes, seconds: float, chunk: int, threads: int = 0, processes: i
         while time.perf_counter() < t_warm:
             feed.run()
         sess.record = True
-        sw0 = switches()
+        sw0, irq0 = switches(), interrupts()
         t_end = time.perf_counter() + seconds
         while True:
             t0 = time.perf_counter()
@@ -169,7 +185,7 @@ def fed(model: bytes, seconds: float, chunk: int, threads: int = 0, processes: i
             if t1 >= t_end:
                 break
         sess.record = False
-        sw1 = switches()
+        sw1, irq1 = switches(), interrupts()
         diagnosis = feed.diagnose()
     stamps = sess.stamps
     n = min(len(calls), len(stamps))
@@ -187,6 +203,8 @@ def fed(model: bytes, seconds: float, chunk: int, threads: int = 0, processes: i
         "after_ort_p99_us": 1e6 * float(np.percentile(c[:, 1] - s[:, 1], 99)),
         "voluntary_switches": (sw1["voluntary"] - sw0["voluntary"]) / max(1, len(calls)),
         "involuntary_switches": (sw1["involuntary"] - sw0["involuntary"]) / max(1, len(calls)),
+        "tlb_shootdowns": (irq1["TLB"] - irq0["TLB"]) / max(1, len(calls)),
+        "reschedule_irqs": (irq1["RES"] - irq0["RES"]) / max(1, len(calls)),
         "diagnosis": diagnosis,  # type: ignore[dict-item]
     }
 
@@ -211,13 +229,13 @@ def main() -> None:
     print(f"model alone, rotating inputs: {limit['ort_wall_us']:.1f} / {limit2['ort_wall_us']:.1f} us per batch "
           f"(cpu {limit['ort_cpu_us']:.1f})")
     print(f"{'config':<8} {'per batch':>10} {'before ORT':>11} {'ORT wall':>9} {'ORT cpu':>8} {'after ORT':>10} "
-          f"{'between':>8} {'overhead':>9} {'vs model':>9} {'vol/b':>6} {'invol/b':>8}")
+          f"{'between':>8} {'overhead':>9} {'vs model':>9} {'vol/b':>6} {'invol/b':>8} {'TLB/b':>6}")
     for name, r in rows.items():
         overhead = r["per_batch_us"] - ort
         print(f"{name:<8} {r['per_batch_us']:>10.1f} {r['before_ort_us']:>11.1f} {r['ort_wall_us']:>9.1f} "
               f"{r['ort_cpu_us']:>8.1f} {r['after_ort_us']:>10.1f} {r['between_calls_us']:>8.1f} "
               f"{overhead:>9.1f} {ort / r['per_batch_us']:>8.3f}x {r['voluntary_switches']:>6.2f} "
-              f"{r['involuntary_switches']:>8.2f}")
+              f"{r['involuntary_switches']:>8.2f} {r['tlb_shootdowns']:>6.2f}")
     for name, r in rows.items():
         print(f"\n{name}: {r['diagnosis']}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
