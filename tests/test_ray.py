@@ -214,7 +214,7 @@ def test_resume_is_refused_at_registration(ray_local, coord):
 
     with pytest.raises(ValueError, match="cannot resume"):
         feeder.init_data_input_workers(None, ["id"], RayDataSource(ray_local.data.range(10)), batch_size=4,
-                                       coordinator=coord, resume_from={"format": "feeder.chunkqueue-state/1"})
+                                       coordinator=coord, resume_from={"format": "feeder.source-state/1"})
 
 
 def test_an_error_in_a_ray_task_is_a_fetch_error_with_the_cause(ray_local, coord):

@@ -508,7 +508,7 @@ def test_planning_a_resume_after_a_gap_and_many_epochs_does_not_visit_each_epoch
 
     src = ArraySource({"x": np.arange(64)}, shuffle=True, seed=3, epochs=None, block_rows=8)
     n, gap = 64, (3 * 64 + 16, 3 * 64 + 24)  # one unit of epoch 3 never delivered
-    state = {"format": "feeder.chunkqueue-state/1", "definition": src.feeder_definition(),
+    state = {"format": "feeder.source-state/1", "definition": src.feeder_definition(),
              "delivered": [[0, gap[0]], [gap[1], 100_003 * n]]}
     src.feeder_validate(("x",), state)
     t0 = time.perf_counter()
@@ -537,4 +537,4 @@ def test_a_negative_seed_is_refused_when_the_source_is_created():
 def test_resume_from_on_a_plain_fetch_function_is_refused_at_registration(coord):
     with pytest.raises(ValueError, match="resume_from needs a source that can resume"):
         feeder.init_data_input_workers(None, ["x"], Recorder(), 4, coordinator=coord,
-                                       resume_from={"format": "feeder.chunkqueue-state/1"})
+                                       resume_from={"format": "feeder.source-state/1"})

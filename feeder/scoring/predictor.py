@@ -15,7 +15,7 @@ row keys to a :class:`~feeder.scoring.partwriter.PartWriter`, whose writer threa
 part files and commits each part (:mod:`feeder.scoring.outputdir`).
 
 Exactly once: the state file (``_feeder_predict.json``, format :data:`STATE_FORMAT`) lists the
-committed parts and holds a source state (``feeder.chunkqueue-state/1``, as ``coord.state_dict``
+committed parts and holds a source state (``feeder.source-state/1``, as ``coord.state_dict``
 gives it) whose delivered rows are exactly the rows in those parts: it is built from the row keys
 of each part as the part is committed, never from what the replicas were handed. Calling again
 with the same arguments resumes from it (``resume_from=``): committed rows are not fetched

@@ -51,7 +51,7 @@ log = logging.getLogger("feeder")
 ROW_KEY = "__feeder_row_key__"
 """The reserved input name of the int64 row-key column a resumable source appends to each chunk."""
 
-STATE_FORMAT = "feeder.chunkqueue-state/1"
+STATE_FORMAT = "feeder.source-state/1"
 
 
 @dataclass(frozen=True)
