@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from multiprocessing.context import BaseContext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -126,6 +126,7 @@ class Feed:
         self._started = False
         self._stopped = False
         self._ended = False
+        self._live = False  # started, not stopped, not ended: the consumer's fast path checks only this
         self._pending_batch_size: Optional[int] = None
         self._batch_size_lock = threading.Lock()
         self._inflight_rows = 0
@@ -202,12 +203,14 @@ class Feed:
                                                  daemon=True)
         self._fetchers.start(self._batch_size, coalesce)
         self._started = True
+        self._live = True
         self._enqueuer_thread.start()
 
     def _signal_stop(self, deadline: Optional[float] = None) -> None:
         """Signal every thread (and worker process) to stop; ``deadline`` (monotonic s) bounds the
         whole stop, which worker processes need to know (polite, then terminate, then kill)."""
         self._frozen_at = self._frozen_at or time.monotonic()
+        self._live = False
         self._stopped = True
         self._stop.set()
         self._fetchers.signal_stop(deadline)
@@ -313,6 +316,8 @@ class Feed:
         if self._batches_made == 1 and isinstance(item, PreparedBatch):
             self._ready.maxsize = ready_depth(item.nbytes)  # read by put() under the queue's lock
             self._ring.size = self._ready.maxsize + 2
+            if self._runner is not None:  # output buffers: those ready, one being run, one the caller holds
+                self._runner.ring_size = self._ready.maxsize + 3
         put = self._ready.put
         while not self._stop.is_set():
             if put(item, SLICE_S):
@@ -350,32 +355,37 @@ class Feed:
         if failure is not None:
             failure.raise_()
 
-    def _next_prepared(self, timeout: Optional[float]) -> PreparedBatch:
-        self._check_usable()
-        if timeout is None:
-            timeout = self.timeout
-        elif not timeout >= 0:  # also NaN, which would wait forever
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+    def _next_prepared(self, timeout: Optional[float]) -> Tuple[PreparedBatch, float, float]:
+        """The next batch, when the call began and when it got the batch (monotonic seconds); the
+        caller counts it (``counters``). Raises as API.md says."""
         start = time.monotonic()
-        self._raise_failure()
-        if self._ended:
-            raise StopIteration
-        item = self._ready.get(0.0)  # the common case: a batch is ready
+        if timeout is not None and not timeout >= 0:  # also NaN, which would wait forever
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        # The common case first, in as few steps as possible: the runtime waits on this path.
+        if self._live and self.source.failure is None and self._failure is None:
+            item = self._ready.pop()
+            if item is not None and item is not _END_OF_DATA:
+                return item, start, time.monotonic()
+        else:
+            self._check_usable()
+            self._raise_failure()
+            if self._ended:
+                raise StopIteration
+            item = self._ready.pop()
         if item is None:
-            item = self._wait_ready(start, start + timeout)
+            item = self._wait_ready(start, start + (self.timeout if timeout is None else timeout))
         if item is _END_OF_DATA:
             self.counters.wait_ended()
             self._frozen_at = self._frozen_at or time.monotonic()
+            self._live = False
             self._ended = True
             self._check_ledger("end of data")
             if self.source.feed_reached_end():
                 self.source.check_ledger("end of data")
             raise StopIteration
-        now = time.monotonic()
-        self.counters.took(item.rows, item.nbytes, now - start, start, now)
         if self.source.max_bytes is not None:
             self.source.notify_room()
-        return cast(PreparedBatch, item)
+        return cast(PreparedBatch, item), start, time.monotonic()
 
     def _wait_ready(self, start: float, deadline: float) -> Any:
         """Wait in short slices for the next item of the ready queue, or raise."""
@@ -423,20 +433,22 @@ class Feed:
     def next_batch(self, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
         """The next batch as ``{input name: array}``; waits at most ``timeout`` seconds
         (default: the registration's ``timeout``)."""
-        return self._next_prepared(timeout).as_dict()
+        batch, start, now = self._next_prepared(timeout)
+        self.counters.took(batch.rows, batch.nbytes, now - start, start, now)
+        return batch.as_dict()
 
     def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None) -> List[Any]:
-        """Bind the next batch and run the session on it; returns the outputs as numpy arrays."""
-        if self._runner is None:
+        """Run the session on the next batch, whose OrtValues (and, with IOBinding, whose binding)
+        the enqueuer prepared; returns the outputs as numpy arrays."""
+        runner = self._runner
+        if runner is None:
             raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "
                               f"use next_batch() or iterate over it")
-        batch = self._next_prepared(None)
-        t0 = time.monotonic()
+        batch, start, t0 = self._next_prepared(None)
         try:
-            return self._runner.run(batch, output_names, run_options)
+            return runner.run(batch, output_names, run_options)
         finally:
-            t1 = time.monotonic()
-            self.counters.ran(t1 - t0, t1)
+            self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, time.monotonic())
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         return self

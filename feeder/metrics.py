@@ -64,9 +64,19 @@ class ConsumerCounters:
                 self.between_s += start - self._last_end
             self._last_end = now
 
-    def ran(self, run_s: float, now: float) -> None:
+    def took_and_ran(self, rows: int, nbytes: int, start: float, popped: float, now: float) -> None:
+        """A ``run()`` call that started at ``start`` got its batch at ``popped`` and returned at
+        ``now`` (monotonic seconds): ``took`` and the time in the session, under one lock."""
         with self._lock:
-            self.run_s += run_s
+            if self._waits:
+                self._waits.pop(threading.get_ident(), None)
+            self.batches += 1
+            self.rows += rows
+            self.bytes += nbytes
+            self.wait_s += popped - start
+            if self._last_end and start > self._last_end:
+                self.between_s += start - self._last_end
+            self.run_s += now - popped
             self._last_end = now
 
     def waited(self, wait_s: float) -> None:

@@ -5,6 +5,16 @@ minus rows still queued. So taking a batch and counting it as delivered is one s
 ``deque.popleft`` itself: an audit of the row ledger from another thread (end of data seen by
 another consumer, ``stop()``) can never find a batch that is neither held nor delivered, and an
 exception in the consumer right after the pop (a KeyboardInterrupt) cannot lose it from the count.
+
+The consumer's path is what the runtime waits on, so its pop takes no lock and wakes nobody
+unless it must: ``deque.popleft`` is atomic; a full queue's producer waits until consumers have
+taken it down to half (``low``), so it is woken once per few batches and then makes them in one
+go; and that wake-up is one release of a plain lock, not a condition's notify. The producer says
+that it waits (``_putter_waiting``) before it looks at the length again, so a pop that reaches the
+mark either happens before that look (the producer sees the room) or sees the flag (and wakes it).
+Only a source with row keys pops under the lock, because the keys of a popped batch must be
+recorded in the same step as the pop (feeder.rowkeys). Consumers that wait for an item (the
+queue is empty: the runtime idles anyway) wait on a condition, so that several may.
 """
 from __future__ import annotations
 
@@ -16,7 +26,8 @@ from typing import Any, Callable, Deque, Optional, Tuple
 class ReadyQueue:
     """Bounded FIFO of items with ``rows`` and ``nbytes`` attributes; every wait is bounded.
 
-    ``maxsize`` may be changed while running (the feed sizes it from its first batch).
+    ``maxsize`` may be changed while running (the feed sizes it from its first batch). One
+    producer thread puts; any number of consumer threads pop.
     """
 
     def __init__(self, maxsize: int = 1):
@@ -24,27 +35,59 @@ class ReadyQueue:
         self._items: Deque[Any] = deque()
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
-        self._not_full = threading.Condition(self._lock)
+        self._room = threading.Lock()  # released by a pop that wakes the producer (a binary semaphore)
+        self._room.acquire()
         self._pushed_rows = 0
         self._pushed_bytes = 0
+        self._putter_waiting = False  # the producer waits for room (set before it looks again)
+        self._getters = 0             # consumers waiting for an item (under the lock)
         # Called with each popped item under the queue's lock, so what it records (the row keys of
         # feeder.rowkeys) is recorded exactly when the item counts as delivered. Must not raise.
         self.on_pop: Optional[Callable[[Any], None]] = None
 
     def put(self, item: Any, timeout: float) -> bool:
-        """Append ``item``; False if no room came within ``timeout`` seconds."""
-        with self._not_full:
-            if len(self._items) >= self.maxsize:
-                self._not_full.wait(timeout)
-                if len(self._items) >= self.maxsize:
-                    return False
+        """Append ``item``; False if no room came within ``timeout`` seconds. A full queue's
+        producer waits until consumers took it down to half (see the module docstring)."""
+        items = self._items
+        if len(items) >= self.maxsize:
+            self._putter_waiting = True  # before the look below: see the module docstring
+            try:
+                if len(items) > self.maxsize // 2:
+                    self._room.acquire(timeout=timeout)
+            finally:
+                self._putter_waiting = False
+            if len(items) >= self.maxsize:
+                return False
+        with self._lock:
             # Appended before it is counted as pushed: a lock-free reader may see the batch as
             # held a moment too long, never as delivered too early (see ChunkQueue's byte bound).
-            self._items.append(item)
+            items.append(item)
             self._pushed_rows += item.rows
             self._pushed_bytes += item.nbytes
-            self._not_empty.notify()
-            return True
+            if self._getters:
+                self._not_empty.notify()
+        return True
+
+    def _popped(self) -> None:
+        """After a pop: wake the producer if it waits and the queue is down to half."""
+        if self._putter_waiting and len(self._items) <= self.maxsize // 2:
+            self._putter_waiting = False
+            try:
+                self._room.release()
+            except RuntimeError:  # another consumer woke it already
+                pass
+
+    def pop(self) -> Optional[Any]:
+        """The oldest item, or None at once if there is none (the consumer's common path)."""
+        if self.on_pop is not None:
+            return self.get(0.0)
+        try:
+            item = self._items.popleft()
+        except IndexError:
+            return None
+        if self._putter_waiting:
+            self._popped()
+        return item
 
     def get(self, timeout: float) -> Optional[Any]:
         """Pop the oldest item (which counts it as delivered), or None after ``timeout`` seconds."""
@@ -52,14 +95,18 @@ class ReadyQueue:
             if not self._items:
                 if timeout <= 0:
                     return None
-                self._not_empty.wait(timeout)
+                self._getters += 1
+                try:
+                    self._not_empty.wait(timeout)
+                finally:
+                    self._getters -= 1
                 if not self._items:
                     return None
             item = self._items.popleft()
             if self.on_pop is not None:
                 self.on_pop(item)
-            self._not_full.notify()
-            return item
+        self._popped()
+        return item
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,5 +137,6 @@ class ReadyQueue:
             self._pushed_rows -= rows
             self._pushed_bytes -= sum(i.nbytes for i in self._items)
             self._items.clear()
-            self._not_full.notify_all()
-            return int(rows)
+        self._putter_waiting = True
+        self._popped()  # a producer waiting for room has it now
+        return int(rows)

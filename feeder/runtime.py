@@ -13,11 +13,13 @@ Facts this module is built on (measured with onnxruntime 1.31 on CPU):
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import FeederError
+from .rebatcher import BufferRing
 from .validation import InputSpec
 
 _ORT_TYPES = {
@@ -71,9 +73,12 @@ def output_names(session: Any) -> List[str]:
 
 
 class PreparedBatch:
-    """A batch ready for the runtime: the numpy arrays and, for IOBinding, their OrtValues."""
+    """A batch ready for the runtime: the numpy arrays and, for IOBinding, their OrtValues and an
+    IOBinding with them bound (``binding``), with its outputs bound to reused buffers
+    (``outputs``) once their shapes are known (see :class:`Runner`)."""
 
-    __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys")
+    __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
+                 "shape_key")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
                  ortvalues: Optional[List[Any]] = None):
@@ -83,22 +88,43 @@ class PreparedBatch:
         self.nbytes = sum(a.nbytes for a in arrays)
         self.ortvalues = ortvalues
         self.keys: Optional[np.ndarray] = None  # the row keys of a keyed source (feeder.rowkeys)
+        self.binding: Any = None                # an IOBinding with this batch bound (Runner.prepare)
+        self.outputs: Optional[List[np.ndarray]] = None  # the buffers its outputs are bound to, if any
+        self.output_names: Optional[List[str]] = None    # the outputs bound
+        self.shape_key: Any = None              # the input shapes: what the output shapes were learned for
 
     def as_dict(self) -> Dict[str, np.ndarray]:
         return dict(zip(self.names, self.arrays))
 
 
+# ONNX Runtime's words for a preallocated output of the wrong shape: the outputs of this model
+# depend on the data, not only on the input shapes, so they cannot be bound ahead.
+_SHAPE_MISMATCH = ("shape mismatch", "re-use buffer", "reuse buffer")
+# Input shapes whose output shapes a Runner remembers: batches of one size (and a short last one)
+# need a few; chunks passed on as they come (dont_rebatch) of ever new sizes must not grow it forever.
+MAX_TEMPLATES = 64
+
+
 class Runner:
     """Runs batches through one session for one feed.
 
-    ``prepare`` runs in the enqueuer thread (OrtValues wrap the batch arrays, no copy);
-    ``run`` in the consumer thread binds and runs with an IOBinding private to that thread.
+    ``prepare`` runs in the enqueuer thread, ahead of the consumer: OrtValues wrap the batch's
+    arrays (no copy) and, for an InferenceSession, an IOBinding from a small pool gets them bound,
+    with every output bound too: to buffers of a reused ring (``BufferRing``: a buffer set is
+    reused once nobody holds the arrays ``run`` returned from it) when the output shapes for these
+    input shapes are known, else to ONNX Runtime's allocator. ``run``, in the consumer thread, is
+    then one ``run_with_iobinding`` call: the consumer does per batch what it would do to run the
+    model alone. Output shapes are learned from a run with ONNX Runtime allocating them (the first
+    batch of each input shape); a model whose output shapes depend on the data (ONNX Runtime
+    refuses a bound buffer) has its outputs allocated by ONNX Runtime from then on. An IOBinding is
+    used by one thread at a time (handed over with its batch; two threads on one IOBinding crash).
+
     Sessions that are not InferenceSessions (training adapters) implement
     ``run_batch(batch: PreparedBatch, output_names, run_options) -> list`` themselves, and
     optionally ``prepare_batch(batch)`` (run in the enqueuer thread).
     """
 
-    def __init__(self, session: Any, input_names: Sequence[str]):
+    def __init__(self, session: Any, input_names: Sequence[str], ring_size: int = 6):
         self.session = session
         self.input_names = list(input_names)
         self._custom = callable(getattr(session, "run_batch", None))
@@ -107,7 +133,20 @@ class Runner:
                              and not any(specs[n].is_string for n in self.input_names if n in specs))
         self._ort: Any = import_onnxruntime() if self._use_binding else None
         self._all_outputs: List[str] = [] if self._custom else output_names(session)
-        self._local = threading.local()
+        # What the consumer last asked for: the enqueuer binds these outputs ahead.
+        self._want: List[str] = list(self._all_outputs)
+        self._bindings: Deque[Any] = deque()  # free IOBindings, handed back by consumers after a run
+        self._templates: Dict[Any, Optional[List[Tuple[Tuple[int, ...], np.dtype]]]] = {}
+        self._bind_ahead = True  # False once the model showed output shapes that depend on the data
+        self._out_ring = BufferRing(ring_size)
+
+    @property
+    def ring_size(self) -> int:
+        return self._out_ring.size
+
+    @ring_size.setter
+    def ring_size(self, size: int) -> None:
+        self._out_ring.size = size
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
         if self._custom:
@@ -116,33 +155,77 @@ class Runner:
                 prepare(batch)
         elif self._use_binding:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
-            batch.ortvalues = [from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
-                               for a in batch.arrays]
+            arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in batch.arrays]
+            batch.ortvalues = [from_numpy(a) for a in arrays]
+            try:
+                binding = self._bindings.popleft()
+            except IndexError:
+                binding = self.session.io_binding()
+            for name, ov in zip(batch.names, batch.ortvalues):
+                binding.bind_ortvalue_input(name, ov)
+            key = batch.shape_key = tuple(a.shape for a in arrays)
+            self._bind_outputs(binding, batch, list(self._want), key)
+            batch.binding = binding
         return batch
+
+    def _bind_outputs(self, binding: Any, batch: PreparedBatch, names: List[str], key: Any) -> None:
+        """Bind ``names`` to reused buffers of the shapes learned for ``key``, or to ORT's allocator."""
+        binding.clear_binding_outputs()
+        batch.output_names = names
+        batch.outputs = None
+        template = self._templates.get((key, tuple(names))) if self._bind_ahead else None
+        if template is None:
+            for name in names:
+                binding.bind_output(name)
+            return
+        outs = self._out_ring.take([t[0] for t in template], [t[1] for t in template])
+        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+        for name, buf in zip(names, outs):
+            binding.bind_ortvalue_output(name, from_numpy(buf))
+        batch.outputs = outs
 
     def run(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
         if self._custom:
             return list(self.session.run_batch(batch, output_names, run_options))
-        names = list(output_names) if output_names is not None else self._all_outputs
         if not self._use_binding:
+            names = list(output_names) if output_names is not None else self._all_outputs
             return list(self.session.run(names, batch.as_dict(), run_options))
-        binding = getattr(self._local, "binding", None)
-        if binding is None:
-            binding = self._local.binding = self.session.io_binding()
-        ortvalues = batch.ortvalues if batch.ortvalues is not None else self.prepare(batch).ortvalues
-        for name, ov in zip(batch.names, ortvalues or ()):
-            binding.bind_ortvalue_input(name, ov)
-        # Outputs are bound afresh every run: a bound output keeps the shape of its first run, and
-        # the next batch of another row count (a short last batch, dont_rebatch, a new batch
-        # size, or a model whose output shape depends on the data) would be refused.
-        binding.clear_binding_outputs()
-        for name in names:
-            binding.bind_output(name)
-        self.session.run_with_iobinding(binding, run_options)
-        outputs: List[Any] = binding.copy_outputs_to_cpu()
-        # Drop the input references so that the batch's buffers are only ever held by us.
-        binding.clear_binding_inputs()
-        return outputs
+        binding = batch.binding
+        if binding is None:  # not prepared by an enqueuer (a batch made by hand)
+            self.prepare(batch)
+            binding = batch.binding
+        if output_names is not None and list(output_names) != batch.output_names:
+            names = list(output_names)
+            self._want = names  # batches prepared from now on bind these
+            self._bind_outputs(binding, batch, names, batch.shape_key)
+        try:
+            try:
+                self.session.run_with_iobinding(binding, run_options)
+            except Exception as e:
+                if batch.outputs is None or not any(w in str(e).lower() for w in _SHAPE_MISMATCH):
+                    raise
+                # Output shapes that depend on the data: let ONNX Runtime allocate them from now on.
+                self._bind_ahead = False
+                self._bind_outputs(binding, batch, batch.output_names or self._all_outputs, batch.shape_key)
+                self.session.run_with_iobinding(binding, run_options)
+            outputs = batch.outputs
+            if outputs is None:
+                outputs = binding.copy_outputs_to_cpu()
+                self._learn(batch, outputs)
+            return list(outputs)
+        finally:
+            batch.binding = None
+            self._bindings.append(binding)  # for the enqueuer's next batch (it rebinds everything)
+
+    def _learn(self, batch: PreparedBatch, outputs: List[Any]) -> None:
+        """Remember the output shapes of these input shapes, so later batches bind buffers ahead."""
+        key = (batch.shape_key, tuple(batch.output_names or ()))
+        if key in self._templates or not self._bind_ahead or len(self._templates) >= MAX_TEMPLATES:
+            return
+        if all(isinstance(o, np.ndarray) and o.dtype.kind in "biufc" for o in outputs):
+            self._templates[key] = [(tuple(o.shape), o.dtype) for o in outputs]
+        else:  # strings, sequences, maps: ORT allocates them
+            self._templates[key] = None
 
 
 # ---- training session adapters ----------------------------------------------------------------
