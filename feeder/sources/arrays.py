@@ -61,6 +61,8 @@ class ArraySource(ShardedSource):
         return repr(self.names[i]) if self.names is not None else f"#{i}"
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
+        """At registration: ValueError when the arrays do not match the inputs one to one (by name
+        when given as a dict, by count as a list), or for a ``resume`` state of other arrays."""
         if self.names is not None:
             missing = [n for n in input_names if n not in self.names]
             if missing:
