@@ -21,9 +21,9 @@ class ArraySource(ShardedSource):
     of each unit are read, by slicing), sharded between every worker and replica.
 
     ``arrays``: a dict input name -> array, or a list in input order; all of the same length
-    along axis 0. Units of work are blocks of ``block_rows`` consecutive rows; ``shuffle``
-    permutes the blocks and the rows within each block, differently each epoch, reproducibly
-    from ``seed``. ``epochs=None`` repeats forever.
+    along axis 0. Units of work are blocks of ``block_rows`` (default 1024) consecutive rows;
+    ``shuffle`` permutes the blocks and the rows within each block, differently each epoch,
+    reproducibly from ``seed``. ``epochs=None`` repeats forever.
     """
 
     def __init__(self, arrays: Union[Mapping[str, Any], Sequence[Any]], *, shuffle: bool = False, seed: int = 0,
