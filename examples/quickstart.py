@@ -49,7 +49,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1  # leave a core to the Python fetchers (see README)
+    opts.intra_op_num_threads = 1  # leave a core to the Python fetchers (see docs/concepts.md)
     session = ort.InferenceSession(build_model(), opts, providers=["CPUExecutionProvider"])
 
     coord = feeder.init_data_input_workers(session, ["x"], fetch, args.batch_size, num_worker_threads=2,

@@ -101,7 +101,7 @@ def init_data_input_workers(
     runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
     worker_id)``. ``fetch_fun`` and ``worker_init_fun`` travel with cloudpickle (lambdas and
     closures too); one that cannot be sent at all is a TypeError here. Chunks come back through
-    shared memory (see README, "Worker processes"). ``num_worker_threads`` is then ignored (a
+    shared memory (see the guide, "Threads or processes"). ``num_worker_threads`` is then ignored (a
     value other than the default is logged as such): only ``num_worker_processes="auto"`` lets
     the tuner choose how many processes run.
 

@@ -134,6 +134,8 @@ class ChunkQueue:
             self.max_bytes = max_bytes
 
     def register_workers(self, worker_ids: Sequence[int]) -> None:
+        """Add a registration's worker ids to the source: the source ends once every registered
+        worker has ended, and an ordered source takes chunks in a round-robin of them, sorted."""
         with self._lock:
             for w in worker_ids:
                 self._workers.add(w)
@@ -298,6 +300,7 @@ class ChunkQueue:
     # ---- ledger --------------------------------------------------------------------
     @property
     def rows_delivered(self) -> int:
+        """Rows of this source delivered to consumers so far, every feed's included."""
         with self._lock:
             return self._delivered()[0]
 
@@ -359,6 +362,8 @@ class ChunkQueue:
             self._holders, self._deliveries, self._starved, self._flushers = [], [], [], []
 
     def add_flusher(self, flush_if_stale: Callable[[float], None]) -> None:
+        """Register a coalescing fetcher's ``flush_if_stale(now)`` (now: monotonic seconds), which
+        :meth:`flush_held` calls so that rows held for coalescing never wait on a blocked fetch."""
         with self._lock:
             self._flushers.append(flush_if_stale)
 
@@ -415,9 +420,11 @@ class ChunkQueue:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran (``stop()``): puts and gets return ``CLOSED`` from then on."""
         return self._closed
 
     def live_workers(self) -> List[int]:
+        """The registered worker ids that have not ended (raised ``StopIteration``), sorted."""
         with self._lock:
             return sorted(self._workers - self._ended)
 
@@ -426,12 +433,16 @@ class ChunkQueue:
         return self.queued_chunks
 
     def empty(self) -> bool:
+        """True when no chunk waits in the queue."""
         return self.queued_chunks == 0
 
     def full(self) -> bool:
+        """True when the queue holds ``maxsize`` chunks or more (counted as ``fetch_fun`` returned them)."""
         return self.queued_chunks >= self.maxsize
 
     def ledger(self) -> Dict[str, int]:
+        """The source's row ledger, in rows: ``rows_fetched``, ``rows_delivered``, ``rows_dropped``,
+        ``rows_discarded`` and ``rows_queued`` (rows held by the feeds are in none of the last four)."""
         with self._lock:
             return {
                 "rows_fetched": self.rows_fetched,

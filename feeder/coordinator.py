@@ -287,3 +287,6 @@ class GlobalCoordinator:
 
 
 global_coordinator = GlobalCoordinator()
+"""The default coordinator: ``init_data_input_workers`` registers on it unless given ``coordinator=``.
+It is stopped at interpreter exit. Tests and libraries should make their own
+:class:`GlobalCoordinator` instead, so that their sources never share names with the user's."""

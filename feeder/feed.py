@@ -59,6 +59,14 @@ class Feed:
     ``coordinator.feed(name)``. Consumer calls raise the errors described in API.md.
     Batches handed out by :meth:`next_batch` stay valid for as long as the caller holds
     them: a buffer is reused only once nothing references it any more.
+
+    Attributes:
+        input_source_name: The name of the source this feed draws from.
+        input_names: The inputs of each batch, in order (a resumable source's row-key
+            column is not among them: it is stripped from every batch).
+        worker_ids: The worker ids of this registration's fetchers, threads or processes.
+        session: The session given at registration, or None.
+        timeout: Seconds a consumer call waits by default before ``FeedTimeout``.
     """
 
     def __init__(self, *, coordinator: Any, source: ChunkQueue, session: Any, input_names: Sequence[str],
@@ -167,7 +175,8 @@ class Feed:
 
     def metrics(self) -> Dict[str, float]:
         """A snapshot of this feed's counters (``dict[str, float]``): rows along the batch axis,
-        times in seconds, bytes; see the README for every key. Frozen once the feed stopped."""
+        times in seconds, bytes; every key is listed in ``feeder.feedstats.METRIC_KEYS`` and in the
+        reference ("Beyond the contract"). Frozen once the feed stopped."""
         return self.stats.metrics()
 
     def stage_times(self) -> StageTimes:

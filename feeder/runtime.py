@@ -309,9 +309,11 @@ class StatefulSession:
 
     @property
     def state_inputs(self) -> List[str]:
+        """Names of the state inputs (replaced after each step, or held constant), in order."""
         return list(self._state_inputs)
 
     def prepare_batch(self, batch: PreparedBatch) -> None:
+        """Wrap the batch's arrays as OrtValues on ``device`` (called in the enqueuer thread)."""
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         batch.ortvalues = [from_numpy(np.ascontiguousarray(a), self.device, self.device_id) for a in batch.arrays]
 
@@ -410,12 +412,16 @@ class OrtTrainingModule:
         self.steps = 0
 
     def get_inputs(self) -> List[Any]:
+        """The module's inputs as NodeArg-like descriptions (``name``, ``type``, ``shape``)."""
         return list(self._inputs)
 
     def get_outputs(self) -> List[Any]:
+        """The module's outputs as NodeArg-like descriptions (names only)."""
         return [_Arg(n) for n in self.module.output_names()]
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
+        """One training step on ``batch`` (forward and backward, ``optimizer.step()``, gradients
+        reset); returns the requested outputs (None: all of them) as numpy arrays."""
         by_name = batch.as_dict()
         args = [np.ascontiguousarray(by_name[a.name]) for a in self._inputs]
         with self._lock:

@@ -1,7 +1,7 @@
 """onnxruntime-training's Module/Optimizer fed by feeder (issue 6, part 2).
 
 onnxruntime-training 1.19.2 installs into the same ``onnxruntime`` package as onnxruntime 1.31
-and breaks it, so these tests run in their own environment, built by .ci/run (see README);
+and breaks it, so these tests run in their own environment, built by .ci/run (see docs/training.md);
 the main test command skips them, saying why.
 """
 from __future__ import annotations

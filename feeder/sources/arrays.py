@@ -21,9 +21,9 @@ class ArraySource(ShardedSource):
     of each unit are read, by slicing), sharded between every worker and replica.
 
     ``arrays``: a dict input name -> array, or a list in input order; all of the same length
-    along axis 0. Units of work are blocks of ``block_rows`` consecutive rows; ``shuffle``
-    permutes the blocks and the rows within each block, differently each epoch, reproducibly
-    from ``seed``. ``epochs=None`` repeats forever.
+    along axis 0. Units of work are blocks of ``block_rows`` (default 1024) consecutive rows;
+    ``shuffle`` permutes the blocks and the rows within each block, differently each epoch,
+    reproducibly from ``seed``. ``epochs=None`` repeats forever.
     """
 
     def __init__(self, arrays: Union[Mapping[str, Any], Sequence[Any]], *, shuffle: bool = False, seed: int = 0,
@@ -61,6 +61,8 @@ class ArraySource(ShardedSource):
         return repr(self.names[i]) if self.names is not None else f"#{i}"
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
+        """At registration: ValueError when the arrays do not match the inputs one to one (by name
+        when given as a dict, by count as a list), or for a ``resume`` state of other arrays."""
         if self.names is not None:
             missing = [n for n in input_names if n not in self.names]
             if missing:

@@ -325,6 +325,7 @@ class ShardedSource:
 
     # ---- the binding protocol ----
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
+        """At registration: ValueError for a ``resume`` state of another source definition."""
         if resume is not None:
             check_state(resume, self._definition())
 
@@ -333,6 +334,8 @@ class ShardedSource:
         return self._definition()
 
     def feeder_bind(self, binding: SourceBinding) -> None:
+        """At ``start()``: learn which workers call this source and plan the sequence of units,
+        less the rows that ``binding.resume`` says were delivered (see the class docstring)."""
         if binding.resume is not None:
             check_state(binding.resume, self._definition())
         with self._lock:
@@ -347,11 +350,13 @@ class ShardedSource:
             self._plan_sequence(ranges_of(binding.resume) if binding.resume is not None else None)
 
     def feeder_release(self) -> None:
+        """At ``stop()``: forget the workers' cursors and the shared counter."""
         with self._lock:
             self._cursors = {}
             self._shared = None
 
     def feeder_describe(self) -> str:
+        """A phrase for FeedTimeout and ``diagnose()`` messages: rows, units and epochs."""
         ep = "endless" if self.epochs is None else f"{self.epochs} epoch(s)"
         return f"{type(self).__name__} of {self.rows} rows in {len(self._units)} units, {ep}"
 

@@ -113,6 +113,9 @@ class ParquetSource(ShardedSource):
                 raise ValueError(f"ParquetSource: column(s) {missing} not in {path!r} (its columns: {list(fields)})")
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
+        """At registration: ValueError naming a column the files lack (None ``columns``: the columns
+        named like the inputs), when ``columns`` does not map exactly the inputs, or for a
+        ``resume`` state of other files, columns or contents."""
         if self.columns is None:
             self._check_columns(input_names)
             self.columns = {n: n for n in input_names}
@@ -185,6 +188,8 @@ class ParquetSource(ShardedSource):
 
     # ---- the binding protocol ----
     def feeder_bind(self, binding: SourceBinding) -> None:
+        """At ``start()``: ValueError naming a file that changed since the source was created;
+        then as :meth:`ShardedSource.feeder_bind`."""
         for index in range(len(self.files)):
             changed = self._changed(index)
             if changed is not None:
@@ -192,9 +197,11 @@ class ParquetSource(ShardedSource):
         super().feeder_bind(binding)
 
     def feeder_describe(self) -> str:
+        """A phrase for FeedTimeout and ``diagnose()`` messages: rows, row groups, files, epochs."""
         return f"{super().feeder_describe()} (row groups) of {len(self.files)} Parquet file(s)"
 
     def feeder_release(self) -> None:
+        """At ``stop()``: close the workers' open files (and forget the cursors)."""
         super().feeder_release()
         self._handles = {}
 
