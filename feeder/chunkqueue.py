@@ -121,6 +121,7 @@ class ChunkQueue:
         self._feeds_ended = 0
         self.validator: Optional[Any] = None  # the source's ChunkValidator, set by the first registration
         self.row_keys: Optional[Any] = None  # the source's feeder.rowkeys.KeyLedger, if its chunks carry keys
+        self.turns: Optional[Any] = None     # feeder.fetchers.Turns: whose turn it is to make short calls
 
     # ---- configuration -------------------------------------------------------------
     def configure(self, *, ordered: bool, max_bytes: Optional[int]) -> None:

@@ -171,6 +171,9 @@ class Rebatcher:
         self.pending_rows = 0  # rows received and not yet handed out in a batch (read-only outside)
         self.batch_size = 0
         self.set_batch_size(batch_size)
+        # Copy small pieces holding the GIL (concatenate_into), or let numpy release it around each
+        # piece: faster alone, slower next to another busy Python thread (see concatenate_into).
+        self.hold_gil = True
         self.copied_bytes = 0  # bytes copied into assembled batches
         self.zero_copy_batches = 0
         self.copied_batches = 0
@@ -296,8 +299,10 @@ class Rebatcher:
         for dst, part, ax in zip(out, parts, axes):
             if len(part) == 1:
                 np.copyto(dst, part[0], casting=_casting(dst))
-            else:
+            elif self.hold_gil:
                 concatenate_into(dst, part, ax)
+            else:
+                np.concatenate(part, axis=ax, out=dst, casting=_casting(dst))
         self.copied_bytes += sum(o.nbytes for o in out)
         self.copied_batches += 1
         return out
