@@ -101,6 +101,7 @@ class ChunkQueue:
         self._workers: Set[int] = set()
         self._ended: Set[int] = set()
         self._closed = False
+        self._wakes = 0  # wake_getters calls so far
         self.failure: Optional[Failure] = None
         self.fetch_errors = 0
         # Ledger, in rows; guarded by _lock.
@@ -144,8 +145,9 @@ class ChunkQueue:
             self._rotation = sorted(self._workers)
 
     # ---- producer side -------------------------------------------------------------
-    def put(self, chunk: Chunk, timeout: float) -> object:
-        """Put a chunk; True when queued, EMPTY if no room came within ``timeout`` s, CLOSED."""
+    def put(self, chunk: Chunk, timeout: float, notify: bool = True) -> object:
+        """Put a chunk; True when queued, EMPTY if no room came within ``timeout`` s, CLOSED.
+        ``notify=False``: wake no getter (the caller takes the chunk on at once, see Feed.pump_put)."""
         deadline = time.monotonic() + timeout
         with self._not_full:
             while True:
@@ -159,10 +161,12 @@ class ChunkQueue:
                 self._not_full.wait(remaining)
             if self.ordered:
                 self._per_worker[chunk.worker_id].append(chunk)
-                self._not_empty.notify_all()
+                if notify:
+                    self._not_empty.notify_all()
             else:
                 self._items.append(chunk)
-                self._not_empty.notify()
+                if notify:
+                    self._not_empty.notify()
             self.queued_chunks += chunk.slots
             self.queued_rows += chunk.rows
             self.queued_bytes += chunk.nbytes
@@ -231,6 +235,38 @@ class ChunkQueue:
             with self._lock:
                 self._not_full.notify_all()
 
+    def wait_available(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until a ``get`` would not wait (a chunk, the end, the queue
+        closed or failed, or ``wake_getters``), without taking anything; False on timeout.
+
+        For a getter that must take and handle a chunk in one step under a lock of its own (the
+        enqueuer and the producers' pump, which share a feed's rebatcher: the chunks' order is
+        the order they are taken in)."""
+        deadline = time.monotonic() + timeout
+        with self._not_empty:
+            wakes = self._wakes
+            while True:
+                if self._closed or self.failure is not None or self._wakes != wakes:
+                    return True
+                if (self._next_peek_ordered() if self.ordered else bool(self._items) or self._all_ended()):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._not_empty.wait(remaining)
+
+    def _next_peek_ordered(self) -> bool:
+        """Whether ``_next_ordered`` would return something now (a chunk whose turn it is, or END)."""
+        turn = self._turn()
+        return (turn is not None and bool(self._per_worker[turn])) or self._all_ended()
+
+    def wake_getters(self) -> None:
+        """Make the threads waiting in ``get`` return (EMPTY if nothing came): there is work for them
+        that no put announced (batches a producer's pump left in a feed, see Feed.pump_put)."""
+        with self._lock:
+            self._wakes += 1
+            self._not_empty.notify_all()
+
     def worker_ended(self, worker_id: int) -> None:
         """Record that a worker raised StopIteration (after its last put)."""
         with self._lock:
@@ -256,6 +292,7 @@ class ChunkQueue:
         """The next Chunk, END when the source is finite and drained, EMPTY, or CLOSED."""
         deadline = time.monotonic() + timeout
         with self._not_empty:
+            wakes = self._wakes
             while True:
                 if self._closed:
                     return CLOSED
@@ -270,8 +307,8 @@ class ChunkQueue:
                         else:
                             self._not_full.notify()
                     return item
-                if self.failure is not None:
-                    return EMPTY  # the caller raises the failure; do not sit out the timeout
+                if self.failure is not None or self._wakes != wakes:
+                    return EMPTY  # the caller raises the failure, or has work: do not sit out the timeout
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return EMPTY

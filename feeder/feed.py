@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .chunkqueue import CLOSED, EMPTY, END, Chunk, ChunkQueue
+from .chunkqueue import CLOSED, END, Chunk, ChunkQueue
 from .diagnosis import StageTimes
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .feedstats import FeedStats
@@ -122,11 +122,12 @@ class Feed:
         if processes is not None:
             self._fetchers = ProcFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
                                           worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
-                                          stop=self._stop, options=processes, throttle=self._throttle)
+                                          stop=self._stop, options=processes, throttle=self._throttle,
+                                          pump=self.pump_put)
         else:
             self._fetchers = ThreadFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
                                             worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
-                                            stop=self._stop, throttle=self._throttle)
+                                            stop=self._stop, throttle=self._throttle, pump=self.pump_put)
         self._workers = self._fetchers.states
         self._enqueuer_thread: Optional[threading.Thread] = None
         self._failure: Optional[Failure] = None
@@ -137,6 +138,8 @@ class Feed:
         self._live = False  # started, not stopped, not ended: the consumer's fast path checks only this
         self._pending_batch_size: Optional[int] = None
         self._batch_size_lock = threading.Lock()
+        # Who rebatches now: the enqueuer thread, or a producer in pump_put (one at a time).
+        self._pump_lock = threading.Lock()
         self._inflight_rows = 0
         self._waiting = 0  # consumers waiting with nothing ready (guarded by _waiting_lock)
         self._waiting_lock = threading.Lock()
@@ -262,39 +265,78 @@ class Feed:
             log.error("source %r: enqueuer thread failed", self.input_source_name, exc_info=True)
 
     def _enqueue(self) -> None:
-        rb, source, stop = self._rebatcher, self.source, self._stop
+        rb, source, stop, lock = self._rebatcher, self.source, self._stop, self._pump_lock
         while not stop.is_set():
-            new_size = self._take_new_batch_size()
-            if new_size is not None:
-                rb.set_batch_size(new_size)
-                if not self._emit_full_batches():
+            # Taking a chunk and rebatching it are one step under the lock: the producers' pump
+            # (pump_put) takes chunks too, and the rebatcher must get them in the order taken.
+            with lock:
+                new_size = self._take_new_batch_size()
+                if new_size is not None:
+                    rb.set_batch_size(new_size)
+                if rb.pending_rows >= rb.batch_size and not self._emit_full_batches():
+                    return  # (batches a producer's pump_put left for want of room)
+                item = source.get(0.0)
+                if isinstance(item, Chunk):
+                    if not self._take(item):
+                        return
+                    continue
+                if item is END:
+                    self._finish()
                     return
-            item = source.get(SLICE_S)
-            if item is EMPTY:
+            if item is CLOSED:
+                return
+            # Nothing to take: wait for something without the lock, so producers may pump meanwhile.
+            if not source.wait_available(SLICE_S):
                 if source.failure is not None:
                     return
                 source.flush_held()
-                continue
-            if item is CLOSED:
-                return
-            if item is END:
-                self._finish()
-                return
-            item = cast(Chunk, item)
-            self._rows_taken += item.rows
-            self._inflight_rows = item.rows  # in this thread's hands: still counted as held
-            if self.dont_rebatch:
-                if not self._emit(list(item.arrays), item.rows):
-                    return
-                continue
-            rb.add(item.arrays, item.rows)
-            self._inflight_rows = 0
-            if not self._emit_full_batches():
+            elif source.failure is not None:
                 return
 
-    def _emit_full_batches(self) -> bool:
+    def _take(self, item: Chunk, block: bool = True) -> bool:
+        """Rebatch one chunk from the source into ready batches (the caller holds ``_pump_lock``).
+        ``block=False``: batches for which the ready queue has no room stay in the rebatcher.
+        False if the feed stopped meanwhile."""
+        self._rows_taken += item.rows
+        self._inflight_rows = item.rows  # in this thread's hands: still counted as held
+        if self.dont_rebatch:
+            return self._emit(list(item.arrays), item.rows)
+        self._rebatcher.add(item.arrays, item.rows)
+        self._inflight_rows = 0
+        return self._emit_full_batches(block)
+
+    def pump_put(self, chunk: Chunk) -> Optional[bool]:
+        """Put a producer's chunk on the source and, in the calling producer thread, move what the
+        source has into this feed's ready queue while there is room: the enqueuer's work, done
+        without a hand-over between threads (each one costs a wake-up and the GIL changing hands,
+        per batch). None when that is not possible now (another thread rebatches, the ready queue is
+        full, the source has no room): the caller puts the chunk the usual way. The enqueuer thread
+        does the rest (waiting, end of data, chunks of the source's other producers)."""
+        lock = self._pump_lock
+        if not self._live or lock.locked() or len(self._ready) >= self._ready.maxsize:
+            return None
+        if not lock.acquire(False):
+            return None
+        try:
+            source = self.source
+            if source.put(chunk, 0.0, notify=False) is not True:
+                return None
+            ready = self._ready
+            while len(ready) < ready.maxsize and not self._stop.is_set():
+                item = source.get(0.0)
+                if not isinstance(item, Chunk):
+                    break
+                self._take(item, block=False)
+            if source.qsize() or self._rebatcher.pending_rows >= self._rebatcher.batch_size:
+                source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
+            return True
+        finally:
+            lock.release()
+
+    def _emit_full_batches(self, block: bool = True) -> bool:
         rb = self._rebatcher
-        while True:
+        ready = self._ready
+        while block or len(ready) < ready.maxsize:
             new_size = self._take_new_batch_size()
             if new_size is not None:
                 rb.set_batch_size(new_size)
@@ -303,6 +345,7 @@ class Feed:
                 return True
             if not self._emit(arrays, rb.batch_size):
                 return False
+        return True
 
     def _emit(self, arrays: List[np.ndarray], rows: int) -> bool:
         self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
@@ -334,8 +377,11 @@ class Feed:
         return False
 
     def _finish(self) -> None:
-        """End of data: hand on or drop the short last batch, then the end marker."""
+        """End of data: hand on the whole batches left (a producer's pump may have left some), then
+        the short last batch or drop it, then the end marker."""
         rb = self._rebatcher
+        if not self._emit_full_batches():
+            return
         if rb.pending_rows:
             if self.last_batch == "keep":
                 n = rb.pending_rows

@@ -147,13 +147,17 @@ def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
     return "; stack (innermost last):\n" + "".join("    " + ln.replace("\n", "\n    ").rstrip(" ") for ln in lines)
 
 
-def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event) -> bool:
+def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event,
+              pump: Optional[Callable[[Chunk], Optional[bool]]] = None) -> bool:
     """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile.
     Counts the rows put and the time blocked on ``state`` (fetcher threads and process receivers).
 
     The first try does not wait, so the blocked clock starts at the first moment the chunk does
     not fit: a model-bound feed's puts wait a few milliseconds each, and all of it is blocked time
     (``diagnose()`` rests on it). The fast path costs one clock read, as the timed try did."""
+    if pump is not None and pump(chunk):  # put, and taken on into the feed's ready queue (Feed.pump_put)
+        state.rows_put += chunk.rows
+        return True
     put = source.put(chunk, 0.0)
     if put is True:
         state.rows_put += chunk.rows
@@ -454,14 +458,16 @@ def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
-               throttle: Optional[Throttle] = None, turns: Optional[Turns] = None) -> None:
+               throttle: Optional[Throttle] = None, turns: Optional[Turns] = None,
+               pump: Optional[Callable[[Chunk], Optional[bool]]] = None) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
     ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run; with
     ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn."""
     wid = state.worker_id
     co = None
     if coalesce:
-        co = Coalescer(state, source, validator.axes, batch_size(), lambda chunk: put_chunk(source, chunk, state, stop))
+        co = Coalescer(state, source, validator.axes, batch_size(),
+                       lambda chunk: put_chunk(source, chunk, state, stop, pump))
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
@@ -583,7 +589,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             state.chunks += 1
             state.rows += rows
             if co is None:
-                if not put_chunk(source, Chunk(wid, arrays, rows), state, stop):
+                if not put_chunk(source, Chunk(wid, arrays, rows), state, stop, pump):
                     return
                 continue
             rb = co.rb
@@ -635,8 +641,9 @@ class ThreadFetchers:
 
     def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
                  worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event,
-                 throttle: Optional[Throttle] = None):
+                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None):
         self.source = source
+        self._pump = pump  # Feed.pump_put: producers take their chunks on into the ready queue
         self.states = [WorkerState(w) for w in worker_ids]
         self._fetch_fun = fetch_fun
         self._validator = validator
@@ -659,7 +666,7 @@ class ThreadFetchers:
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
                             validator=self._validator, state=state, batch_size=lambda: self._batch_size,
                             stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
-                            throttle=self._throttle, turns=turns))
+                            throttle=self._throttle, turns=turns, pump=self._pump))
         for state in self.states:
             state.set("starting")
             assert state.thread is not None
@@ -676,7 +683,9 @@ class ThreadFetchers:
         return [s.thread for s in self.states if s.thread is not None]
 
     def close(self) -> None:
-        """Nothing to release: threads hold no process, shared memory or descriptor."""
+        """Threads hold no process, shared memory or descriptor; only the feed's pump_put, a
+        reference back to the feed (a cycle that would keep it for the garbage collector)."""
+        self._pump = None
 
     def request_stacks(self) -> None:
         """Nothing to ask ahead: a thread's stack is read at once."""

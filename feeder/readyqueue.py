@@ -112,31 +112,43 @@ class ReadyQueue:
         return len(self._items)
 
     def queued_rows(self) -> int:
-        with self._lock:
-            return sum(i.rows for i in self._items)
+        # tuple(deque) is one step under the GIL; iterating the deque itself could meet a
+        # consumer's lock-free pop half-way ("deque mutated during iteration")
+        return sum(i.rows for i in tuple(self._items))
 
     def delivered(self) -> Tuple[int, int]:
         """(rows, bytes) popped so far. Lock-free: pushed is read before the items, so a batch
         being pushed meanwhile can only make this smaller, never larger."""
         rows, nbytes = self._pushed_rows, self._pushed_bytes
-        for i in list(self._items):
+        for i in tuple(self._items):
             rows -= i.rows
             nbytes -= i.nbytes
         return rows, nbytes
 
     def held_and_delivered(self) -> Tuple[int, int]:
-        """(rows queued, rows popped so far), read together."""
+        """(rows queued, rows popped so far), read together (the producer is stopped or paused:
+        pushes hold the lock; a consumer's pop moves a batch from one to the other in one step)."""
         with self._lock:
-            queued = sum(i.rows for i in self._items)
-            return queued, self._pushed_rows - queued
+            pushed = self._pushed_rows
+            queued = sum(i.rows for i in tuple(self._items))
+            return queued, pushed - queued
 
     def clear(self) -> int:
-        """Discard every queued item (at stop); returns the rows discarded."""
+        """Discard every queued item (at stop); returns the rows discarded. Items are taken one
+        pop at a time, so each is either discarded here or delivered by a consumer popping at the
+        same moment, never both."""
+        rows = nbytes = 0
         with self._lock:
-            rows = sum(i.rows for i in self._items)
+            items = self._items
+            while True:
+                try:
+                    item = items.popleft()
+                except IndexError:
+                    break
+                rows += item.rows
+                nbytes += item.nbytes
             self._pushed_rows -= rows
-            self._pushed_bytes -= sum(i.nbytes for i in self._items)
-            self._items.clear()
+            self._pushed_bytes -= nbytes
         self._putter_waiting = True
         self._popped()  # a producer waiting for room has it now
         return int(rows)

@@ -437,6 +437,70 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
             pass
 
 
+BURST_CALLS = 64  # calls a burst makes before the loop looks at stop, the go-ahead and the batch size again
+
+
+def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: int,
+           single: Optional[Tuple[Any, ...]]) -> Optional[Tuple[Any, Optional[BaseException], float, float]]:
+    """The common case in as few steps as possible: fetch tiny chunks of one input and hold them
+    until the batch is nearly full (the loop then completes it), the bookkeeping kept in locals.
+
+    Returns None after BURST_CALLS calls, or the call that did not fit, as ``(result, exception,
+    start, end)``, for the loop to handle as its own call. The lock is released around each call,
+    as in the loop (the control thread may put the held rows meanwhile, see ``_Child.lock``)."""
+    if single is None:
+        return None
+    dtype, rest = single[0], single[1]
+    lock = child.lock
+    status = child.status
+    monotonic = time.monotonic
+    pending = child.pending
+    held = child.pending_rows
+    deadline = child.held_since + COALESCE_HOLD_S
+    calls = taken = rows = 0
+    fetch_s = 0.0
+    t0 = monotonic()
+    try:
+        while calls < BURST_CALLS:
+            status.since = t0
+            child.pending_rows = held  # what the control thread may put during the call
+            lock.release()
+            try:
+                raw = fetch_fun(wid, bs)
+            except BaseException as e:  # noqa: B902 - the loop handles it as its own call's
+                lock.acquire()
+                calls += 1
+                return None, e, t0, monotonic()
+            lock.acquire()
+            calls += 1
+            t1 = monotonic()
+            fetch_s += t1 - t0
+            if pending is not child.pending:  # the control thread put the held rows meanwhile
+                return raw, None, t0, t1
+            if t1 - t0 > COALESCE_SLOW_CALL_S or t1 > deadline:
+                return raw, None, t0, t1
+            if type(raw) in (list, tuple) and len(raw) == 1:
+                a = raw[0]
+                if type(a) is np.ndarray and a.dtype is dtype and a.shape[1:] == rest:
+                    n = a.shape[0]
+                    if 0 < n and held + n < bs:
+                        pending.append(((a,), n))
+                        held += n
+                        taken += 1
+                        rows += n
+                        t0 = t1
+                        continue
+            return raw, None, t0, t1
+        return None
+    finally:
+        if pending is child.pending:
+            child.pending_rows = held
+        child.calls += calls
+        child.chunks += taken
+        child.rows += rows
+        child.fetch_s += fetch_s
+
+
 def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: bool) -> None:
     wid = child.worker_id
     fields = child.control.fields
@@ -447,40 +511,44 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
     lock = child.lock
     stats_due = monotonic() + STATS_S
     stop = child.stop
+    carried: Optional[Tuple[Any, Optional[BaseException], float, float]] = None  # a call the burst made
     lock.acquire()  # released only around fetch_fun (see _Child.lock)
     try:
         while not stop.is_set() and not fields[STOP]:
-            if not fields[GO]:
-                if not child.flush() or not child.wait_go():
+            if carried is None:
+                if not fields[GO]:
+                    if not child.flush() or not child.wait_go():
+                        return
+                bs = fields[BATCH_SIZE]
+                status.state = "in fetch_fun"
+                status.since = t0 = monotonic()
+                child.calls += 1
+                lock.release()
+                error: Optional[BaseException] = None
+                try:
+                    raw = fetch_fun(wid, bs)
+                except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit reach the consumer too
+                    error = e
+                lock.acquire()
+                now = monotonic()
+                child.fetch_s += now - t0
+            else:
+                raw, error, t0, now = carried
+                carried = None
+            if error is not None:
+                if isinstance(error, StopIteration):
+                    if child.flush():
+                        status.set("ended (StopIteration)")
+                        child.send("end")
                     return
-            bs = fields[BATCH_SIZE]
-            status.state = "in fetch_fun"
-            status.since = t0 = monotonic()
-            child.calls += 1
-            lock.release()
-            try:
-                raw = fetch_fun(wid, bs)
-            except StopIteration:
-                lock.acquire()
-                child.fetch_s += monotonic() - t0
-                if child.flush():
-                    status.set("ended (StopIteration)")
-                    child.send("end")
-                return
-            except BaseException as e:  # noqa: B902 - KeyboardInterrupt/SystemExit reach the consumer too
-                lock.acquire()
-                child.fetch_s += monotonic() - t0
                 child.errors += 1
-                fatal = not isinstance(e, Exception)
+                fatal = not isinstance(error, Exception)
                 status.set("processing a chunk")
-                child.send("error", *_describe_exception(e), fatal, "fetch_fun")
+                child.send("error", *_describe_exception(error), fatal, "fetch_fun")
                 if fatal or not child.verdict():
                     return
                 continue
-            lock.acquire()
-            now = monotonic()
             slow = now - t0 > COALESCE_SLOW_CALL_S
-            child.fetch_s += now - t0
             status.state, status.since = "processing a chunk", now
             if raw is None:
                 child.none_chunks += 1
@@ -500,17 +568,21 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             held = child.pending_rows
             if held + rows < bs and not slow and coalesce and validator._fast is not None \
                     and (not held or now - child.held_since <= COALESCE_HOLD_S):
-                # the common case, inline: a small chunk that does not complete a batch is just held
+                # the common case: a small chunk that does not complete a batch is held, and the
+                # next calls go the short way while they are like it (see _burst)
                 if not held:
                     child.held_since = now
                 child.pending.append((arrays, rows))
                 child.pending_rows = held + rows
+                status.state = "in fetch_fun"
+                carried = _burst(child, fetch_fun, wid, bs, validator._single)  # (learned from the first chunk)
                 continue
             # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
-            # assembling whole batches here costs nothing extra and saves the parent its copy.
+            # cutting whole batches here costs nothing extra and saves the parent its copy: the
+            # parent gets whole batches, whatever the chunks' sizes (the rest waits for more rows).
             # Object arrays (strings) are pickled as they come; only string inputs can hold them, and
             # a validator with a fast path (every dtype fixed) has none.
-            if not coalesce or rows >= bs or (validator._fast is None and any(a.dtype.hasobject for a in arrays)):
+            if not coalesce or (validator._fast is None and any(a.dtype.hasobject for a in arrays)):
                 if not child.flush() or not child.put([(arrays, rows)], rows, 1, axes):
                     return
             else:

@@ -51,13 +51,15 @@ import os
 import pickle
 import secrets
 import signal
+import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..chunkqueue import Chunk, ChunkQueue
 from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
@@ -90,6 +92,15 @@ DEATH_JOIN_S = 1.0      # a child whose channel closed gets this long to report 
 # has MAX_SLOTS of them: past this many held, chunks are copied out of their slot at once (the slot
 # comes back) instead of being handed on as views, so hoarding costs a copy, never a deadlock.
 HOARD_SLOTS = MAX_SLOTS // 2
+
+
+def _free_refs() -> int:
+    """The reference count _reclaim reads for a base array held by nothing but its dict."""
+    probe = {0: np.empty(1)}
+    return max(sys.getrefcount(probe[slot]) for slot in probe)
+
+
+_FREE_REFS = _free_refs()
 # A FeedTimeout may come at most a tenth of a second after its timeout, stacks included: a
 # consumer asks the children for their stacks STACK_LEAD_S before its deadline, and at the
 # deadline a diagnosis waits at most STACK_WAIT_S in all: first for the control threads' answers,
@@ -206,6 +217,10 @@ class _Worker:
         self.chan: Optional[Channel] = None
         self.control: Optional[ControlPage] = None
         self.maps: Dict[int, Any] = {}
+        # Slots whose chunk views may still be held: slot -> the views' common base array. A slot
+        # is free again once nothing but this dict refers to its base (see _reclaim): polled by
+        # reference count, which costs a microsecond, where a weakref.finalize per chunk cost ten.
+        self.in_use: Dict[int, Any] = {}
         self.pid: Optional[int] = None
         self.lifeline: Optional[int] = None  # write end of the child's lifeline pipe (see start)
         self.child_state = "starting"
@@ -267,8 +282,9 @@ class ProcFetchers:
 
     def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
                  worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event, options: ProcessOptions,
-                 throttle: Optional[Throttle] = None):
+                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None):
         self.source = source
+        self._pump = pump  # Feed.pump_put: receivers take their chunks on into the feed's ready queue
         self.states = [WorkerState(w) for w in worker_ids]
         self._workers = [_Worker(s) for s in self.states]
         self._fetch_fun = fetch_fun
@@ -393,6 +409,7 @@ class ProcFetchers:
     def close(self) -> None:
         """After stop, once the coordinator has joined the threads: release the processes, control
         pages, lifelines and descriptors now (a receiver still running keeps its worker's)."""
+        self._pump = None  # a reference back to the feed: no cycle may keep it for the garbage collector
         for w in self._workers:
             thread = w.state.thread
             if thread is not None and thread.is_alive():
@@ -412,6 +429,7 @@ class ProcFetchers:
                 os.close(w.lifeline)
                 w.lifeline = None
             w.maps.clear()
+            w.in_use.clear()
             w.close_stacks()
             if w.chan is not None:
                 w.chan.close()
@@ -440,7 +458,8 @@ class ProcFetchers:
             if w.chan is not None:
                 w.chan.close()
             w.maps.clear()
-            w.close_stacks()  # views a consumer still holds keep their own mapping alive
+            w.in_use.clear()  # views a consumer still holds keep their own mapping alive
+            w.close_stacks()
 
     def _receive_loop(self, w: _Worker) -> None:
         chan, state, source = w.chan, w.state, self.source
@@ -458,6 +477,7 @@ class ProcFetchers:
                     (state.unpark if go else state.park)(time.monotonic())  # not running time
             try:
                 if not chan.poll(SLICE_S):
+                    self._reclaim(w)
                     if stop.is_set() and (w.process is None or not w.process.is_alive()):
                         return
                     if w.process is not None and not w.process.is_alive() and not chan.poll(0):
@@ -571,14 +591,15 @@ class ProcFetchers:
             if mm is None:
                 raise SegmentError(f"a chunk in slot {slot!r}, for which it sent no segment")
         arrays, base = arrays_from_slot(mm, layout, total)
+        if w.in_use:
+            self._reclaim(w)
         if base is not None:
-            busy = w.control.busy
-            if len(w.maps) >= HOARD_SLOTS and sum(busy[s] for s in w.maps) >= HOARD_SLOTS:
+            if len(w.in_use) >= HOARD_SLOTS:
                 arrays = tuple(a.copy() if a.base is not None else a for a in arrays)
                 del base
                 w.control.release(slot)
             else:
-                weakref.finalize(base, w.control.release, slot)
+                w.in_use[slot] = base
                 del base
         wid = state.worker_id
         try:
@@ -594,8 +615,20 @@ class ProcFetchers:
             w.control.fields[ACKED] += 1
         return ok
 
+    @staticmethod
+    def _reclaim(w: _Worker) -> None:
+        """Hand back to the child the slots of which no view is left (nobody holds their chunks)."""
+        control = w.control
+        if control is None:
+            return
+        in_use = w.in_use
+        free = [slot for slot in in_use if sys.getrefcount(in_use[slot]) <= _FREE_REFS]
+        for slot in free:
+            del in_use[slot]
+            control.release(slot)
+
     def _put(self, chunk: Chunk, state: WorkerState) -> bool:
-        ok = put_chunk(self.source, chunk, state, self._stop)
+        ok = put_chunk(self.source, chunk, state, self._stop, self._pump)
         if state.state == WAITING_FOR_ROOM:
             state.set(IN_FETCH)  # the receiver waited, not the child: it is back in fetch_fun
         return ok
