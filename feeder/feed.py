@@ -265,45 +265,72 @@ class Feed:
             log.error("source %r: enqueuer thread failed", self.input_source_name, exc_info=True)
 
     def _enqueue(self) -> None:
-        rb, source, stop, lock = self._rebatcher, self.source, self._stop, self._pump_lock
+        source, stop, lock, ready = self.source, self._stop, self._pump_lock, self._ready
         while not stop.is_set():
-            # Taking a chunk and rebatching it are one step under the lock: the producers' pump
-            # (pump_put) takes chunks too, and the rebatcher must get them in the order taken.
             with lock:
-                new_size = self._take_new_batch_size()
-                if new_size is not None:
-                    rb.set_batch_size(new_size)
-                if rb.pending_rows >= rb.batch_size and not self._emit_full_batches():
-                    return  # (batches a producer's pump_put left for want of room)
-                item = source.get(0.0)
-                if isinstance(item, Chunk):
-                    if not self._take(item):
-                        return
-                    continue
-                if item is END:
-                    self._finish()
+                got = self._pump_ready()
+                if got is END:
+                    self._finish()  # (it may wait for room holding the lock: nothing else is left to take)
                     return
-            if item is CLOSED:
+            if got is CLOSED:
                 return
-            # Nothing to take: wait for something without the lock, so producers may pump meanwhile.
-            if not source.wait_available(SLICE_S):
+            # Nothing to take, or no room: wait without the lock, so producers and consumers may pump.
+            if len(ready) >= ready.maxsize:
+                ready.wait_room(SLICE_S)
+            elif not source.wait_available(SLICE_S):
                 if source.failure is not None:
                     return
                 source.flush_held()
             elif source.failure is not None:
                 return
 
-    def _take(self, item: Chunk, block: bool = True) -> bool:
-        """Rebatch one chunk from the source into ready batches (the caller holds ``_pump_lock``).
-        ``block=False``: batches for which the ready queue has no room stay in the rebatcher.
-        False if the feed stopped meanwhile."""
+    def _pump_ready(self) -> object:
+        """Move whole batches from the source into the ready queue while it has room (the caller
+        holds ``_pump_lock``: the enqueuer, a producer in ``pump_put``, or a consumer that found
+        nothing ready). Taking a chunk and rebatching it are one step under that lock, so the
+        rebatcher gets the chunks in the order they were taken. Returns END when the source has
+        ended (the enqueuer finishes it), CLOSED when it was closed or the feed stopped, else None.
+        Never waits: every batch it makes goes into room it saw."""
+        rb, source, ready = self._rebatcher, self.source, self._ready
+        new_size = self._take_new_batch_size()
+        if new_size is not None:
+            rb.set_batch_size(new_size)
+        while len(ready) < ready.maxsize:
+            if rb.pending_rows >= rb.batch_size:
+                arrays = rb.pop()
+                if arrays is not None and not self._emit(arrays, rb.batch_size):
+                    return CLOSED
+                continue
+            item = source.get(0.0)
+            if isinstance(item, Chunk):
+                if not self._take(item):
+                    return CLOSED
+                continue
+            if item is END or item is CLOSED:
+                return item
+            return None
+        return None
+
+    def _take(self, item: Chunk) -> bool:
+        """Rebatch one chunk from the source (the caller holds ``_pump_lock`` and saw room for one
+        batch); whole batches beyond the room stay in the rebatcher. False if the feed stopped."""
         self._rows_taken += item.rows
         self._inflight_rows = item.rows  # in this thread's hands: still counted as held
         if self.dont_rebatch:
             return self._emit(list(item.arrays), item.rows)
         self._rebatcher.add(item.arrays, item.rows)
         self._inflight_rows = 0
-        return self._emit_full_batches(block)
+        return self._emit_full_batches(block=False)
+
+    def _pump(self) -> None:
+        """What a consumer that found nothing ready does before it waits: the enqueuer's work, if
+        nobody is doing it (no hand-over: the chunks may be waiting in the source)."""
+        lock = self._pump_lock
+        if lock.acquire(False):
+            try:
+                self._pump_ready()
+            finally:
+                lock.release()
 
     def pump_put(self, chunk: Chunk) -> Optional[bool]:
         """Put a producer's chunk on the source and, in the calling producer thread, move what the
@@ -321,12 +348,7 @@ class Feed:
             source = self.source
             if source.put(chunk, 0.0, notify=False) is not True:
                 return None
-            ready = self._ready
-            while len(ready) < ready.maxsize and not self._stop.is_set():
-                item = source.get(0.0)
-                if not isinstance(item, Chunk):
-                    break
-                self._take(item, block=False)
+            self._pump_ready()
             if source.qsize() or self._rebatcher.pending_rows >= self._rebatcher.batch_size:
                 source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
             return True
@@ -427,6 +449,9 @@ class Feed:
             if self._ended:
                 raise StopIteration
             item = self._ready.pop()
+        if item is None and self._live:
+            self._pump()  # the chunks may be waiting in the source: take them on ourselves
+            item = self._ready.pop()
         if item is None:
             item = self._wait_ready(start, start + (self.timeout if timeout is None else timeout))
         if item is _END_OF_DATA:
@@ -463,6 +488,11 @@ class Feed:
                 if not asked and remaining <= STACK_LEAD_S:
                     asked = True
                     self._fetchers.request_stacks()
+                self._pump()
+                item = self._ready.pop()
+                if item is not None:
+                    got = True
+                    return item
                 item = self._ready.get(max(0.0, min(SLICE_S, remaining if asked else remaining - STACK_LEAD_S)))
                 if item is not None:
                     got = True  # the wait ends when the caller counts the batch (counters.took)

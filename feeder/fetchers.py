@@ -331,10 +331,12 @@ class Turns:
                 if self._owner == wid:  # handed over just as the wait ended
                     break
                 if stop.is_set() or source.failure is not None:
-                    self._queue.remove(entry)
+                    self._queue.remove(entry)  # (still queued: only give() takes entries, and it makes us owner)
                     return False
                 holder = self._holder
-                if holder is None or time.monotonic() - holder.since > STEAL_S:
+                # No steal from a turn just handed over (holder None, owner set): its new owner is
+                # waking up, and its entry has left the queue already.
+                if self._owner is None or (holder is not None and time.monotonic() - holder.since > STEAL_S):
                     self._queue.remove(entry)
                     self._owner = wid
                     break

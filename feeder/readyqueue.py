@@ -45,19 +45,25 @@ class ReadyQueue:
         # feeder.rowkeys) is recorded exactly when the item counts as delivered. Must not raise.
         self.on_pop: Optional[Callable[[Any], None]] = None
 
-    def put(self, item: Any, timeout: float) -> bool:
-        """Append ``item``; False if no room came within ``timeout`` seconds. A full queue's
-        producer waits until consumers took it down to half (see the module docstring)."""
+    def wait_room(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for room; a full queue's producer waits until consumers
+        took it down to half (see the module docstring). True if there is room."""
         items = self._items
-        if len(items) >= self.maxsize:
-            self._putter_waiting = True  # before the look below: see the module docstring
-            try:
-                if len(items) > self.maxsize // 2:
-                    self._room.acquire(timeout=timeout)
-            finally:
-                self._putter_waiting = False
-            if len(items) >= self.maxsize:
-                return False
+        if len(items) < self.maxsize:
+            return True
+        self._putter_waiting = True  # before the look below: see the module docstring
+        try:
+            if len(items) > self.maxsize // 2:
+                self._room.acquire(timeout=timeout)
+        finally:
+            self._putter_waiting = False
+        return len(items) < self.maxsize
+
+    def put(self, item: Any, timeout: float) -> bool:
+        """Append ``item``; False if no room came within ``timeout`` seconds (see ``wait_room``)."""
+        items = self._items
+        if len(items) >= self.maxsize and not self.wait_room(timeout):
+            return False
         with self._lock:
             # Appended before it is counted as pushed: a lock-free reader may see the batch as
             # held a moment too long, never as delivered too early (see ChunkQueue's byte bound).

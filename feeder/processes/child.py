@@ -22,7 +22,7 @@
   than a batch into whole batches (not for ordered sources nor ``dont_rebatch``): the copy into
   shared memory is then the only copy, and the parent hands the batch on without one;
 * writes the arrays once into a free slot of its ring (``feeder.processes.shm``) and sends the parent
-  their layout; it waits while ``MAX_INFLIGHT`` chunks are not yet queued by the parent
+  their layout; it waits while ``MAX_INFLIGHT`` chunks (or ``MAX_INFLIGHT_BYTES``) are not yet queued by the parent
   (back-pressure: a full source stops the process) or while no slot is free.
 
 A control thread in the child receives the parent's messages (stop, stack requests) and ends
@@ -45,8 +45,9 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +62,7 @@ from .shm import (
     CONTROL_BYTES,
     GO,
     MAX_INFLIGHT,
+    MAX_INFLIGHT_BYTES,
     STOP,
     VERDICTS,
     Channel,
@@ -113,6 +115,8 @@ class _Child:
         self.status = _Status()
         self.stop = threading.Event()
         self.sent = 0
+        self.unacked: Deque[int] = deque()  # the bytes of each chunk sent and not yet queued by the parent
+        self.unacked_bytes = 0
         self.t0 = time.monotonic()
         self.cpu0 = time.thread_time()
         self.cpu_s = 0.0
@@ -231,6 +235,14 @@ class _Child:
         return self._wait(lambda: int(fields[VERDICTS]) >= self.errors or bool(fields[STOP]),
                           "waiting for the parent's verdict on an error") and not self.stopped()
 
+    def _room(self) -> bool:
+        """The parent has queued enough of what was sent for one more chunk to go (see MAX_INFLIGHT)."""
+        unacked = self.unacked
+        inflight = self.sent - int(self.control.fields[ACKED])
+        while len(unacked) > inflight:  # the oldest were queued since
+            self.unacked_bytes -= unacked.popleft()
+        return inflight < MAX_INFLIGHT and (self.unacked_bytes < MAX_INFLIGHT_BYTES or not inflight)
+
     # ---- sending chunks -------------------------------------------------------------------
     def put(self, pieces: List[Tuple[Tuple[np.ndarray, ...], int]], rows: int, slots: int,
             axes: Tuple[int, ...], wait: bool = True) -> bool:
@@ -253,8 +265,7 @@ class _Child:
                 continue
             offsets.append(total)
             total += -(-math.prod(s) * d.itemsize // ALIGN) * ALIGN
-        fields = self.control.fields
-        if not self._wait(lambda: self.sent - int(fields[ACKED]) < MAX_INFLIGHT, "waiting for queue space", wait):
+        if not self._wait(self._room, "waiting for queue space", wait):
             return False
         slot = None
         fds: List[int] = []
@@ -290,6 +301,8 @@ class _Child:
             for fd in fds:
                 os.close(fd)
         self.sent += 1
+        self.unacked.append(total)
+        self.unacked_bytes += total
         if not self.sent % TRIM_EVERY:
             trimmed = self.ring.trim()
             if trimmed:
