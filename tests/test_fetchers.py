@@ -3,8 +3,8 @@ import random
 import threading
 import time
 
-from feeder.chunkqueue import ChunkQueue
 from feeder import fetchers
+from feeder.chunkqueue import ChunkQueue
 from feeder.fetchers import Turns, WorkerState
 
 
