@@ -118,7 +118,12 @@ class Tuner:
                 self._steady.clear()
                 self._steady.append(rate)
                 self._cool_len[direction] = COOLDOWN
-                # It just showed that this count beats the other: do not probe straight back.
+                # It just showed that this count beats the other: do not probe straight back. A step
+                # up that paid off by FAST showed fetching bound by the fetchers (I/O, sleeps): a probe
+                # down would only cost its two windows at a fraction of the rate, so it waits longer
+                # (with 2 worker processes, probing 2 -> 1 every few windows cost 20% of the rows).
+                if up and rate >= base * FAST:
+                    self._cool_len[-1] = max(self._cool_len[-1], COOLDOWN_MAX // 2)
                 self._cool[-direction] = max(self._cool[-direction], self._cool_len[-direction])
                 if up and rate >= base * FAST and waiting >= WAITING and self.active < self.max_workers:
                     self._probe = self.active + 1

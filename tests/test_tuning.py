@@ -12,7 +12,7 @@ import pytest
 from utils import random_probe, until
 
 import feeder
-from feeder.tuning import COOLDOWN, WINDOW_S, Throttle, Tuner
+from feeder.tuning import COOLDOWN, COOLDOWN_MAX, WINDOW_S, Throttle, Tuner
 
 
 def sleeping_fetch(worker_id, batch_size):
@@ -303,10 +303,21 @@ def test_a_probe_that_cost_much_is_retried_later_than_one_that_cost_little():
 def test_a_kept_step_is_not_probed_straight_back():
     """Two fetchers just beat one: probing one again in the next windows would only cost rows."""
     tuner = Tuner(2)
-    history = drive(tuner, lambda k: 1000.0 * k, windows=14)
+    history = drive(tuner, lambda k: 1000.0 * (1.0 + 0.1 * k), windows=20)  # 2 gain 9%: kept
     first_two = history.index(2)
     kept_at = first_two + 2  # the probe's two windows
     assert history.index(1, kept_at) >= kept_at + COOLDOWN, history
+
+
+def test_a_step_that_paid_off_fast_is_probed_back_rarely():
+    """Two fetchers doubled the rows (fetching bound by the fetchers: I/O): a probe back to one
+    costs its windows at half the rate, so it waits COOLDOWN_MAX // 2 windows, and as long again
+    after it failed."""
+    history = drive(Tuner(2), lambda k: 1000.0 * k, windows=80)
+    kept_at = history.index(2) + 2
+    down = history.index(1, kept_at)
+    assert down >= kept_at + COOLDOWN_MAX // 2, history
+    assert history.index(1, down + 2) >= down + 2 + COOLDOWN_MAX // 2, history
 
 
 def simulate_slow_fetch(tuner, seconds, call_s=0.75, honest=True):
@@ -336,9 +347,10 @@ def test_windows_without_enough_batches_are_no_evidence():
     """A fetch slower than the window: most windows deliver no batch. Read as "0 rows/s, nobody
     waited", they drove the tuner down to one fetcher (the first simulation, as the tuner was fed
     before); as no evidence, with the wait still going on counted, it climbs."""
-    assert simulate_slow_fetch(Tuner(8), 30.0, honest=False)[-1] <= 2
+    before = simulate_slow_fetch(Tuner(8), 30.0, honest=False)
     history = simulate_slow_fetch(Tuner(8), 30.0)
     assert history[-1] >= 6 and min(history[history.index(4):]) >= 4, history
+    assert sum(before) <= 0.5 * sum(history), (before, history)  # the simulation shows the defect
     tuner = Tuner(8, start=2)
     tuner.observe(0.0, 0.0, 0.0, 0.0)
     for i in range(1, 200):  # 20 s of a consumer busy elsewhere: nothing taken, nothing waited
