@@ -402,6 +402,7 @@ def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
         dtype, rest = single[0], single[1]
     calls = 0
     fetch_s = 0.0
+    arrays: Tuple[np.ndarray, ...]
     try:
         while calls < BURST_CALLS:
             rb.pending_rows = held  # what a flusher may take during the call (see Coalescer)
@@ -426,23 +427,16 @@ def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
             fetch_s += t1 - t0
             if t1 - t0 > COALESCE_SLOW_CALL_S or t1 > deadline:
                 return raw, None, t0
-            if single is not None:
-                if type(raw) in (list, tuple) and len(raw) == 1:
-                    a = raw[0]
-                    if type(a) is np.ndarray and a.dtype is dtype and a.shape[1:] == rest:
-                        n = a.shape[0]
-                        if 0 < n <= limit and held + n < bs:
-                            pending.append((n, (a,)))
-                            held += n
-                            co.unput += 1
-                            state.chunks += 1
-                            state.rows += n
-                            continue
-                return raw, None, t0
-            try:
-                arrays, n = check(raw, wid)
-            except InputValidationError:
-                return raw, None, t0  # the fetch loop checks it again and fails the source
+            if single is not None:  # one input, its dtype and row shape known: no validator call
+                a = raw[0] if type(raw) in (list, tuple) and len(raw) == 1 else None
+                if type(a) is not np.ndarray or a.dtype is not dtype or a.shape[1:] != rest:
+                    return raw, None, t0
+                arrays, n = (a,), a.shape[0]
+            else:
+                try:
+                    arrays, n = check(raw, wid)
+                except InputValidationError:
+                    return raw, None, t0  # the fetch loop checks it again and fails the source
             if 0 < n <= limit and held + n < bs:
                 pending.append((n, arrays))
                 held += n

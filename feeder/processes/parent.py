@@ -361,14 +361,7 @@ class ProcFetchers:
         """Ask every process to stop; a reaper thread makes sure they do before ``deadline``."""
         self._stop.set()
         for w in self._workers:
-            w.done = True
-            if w.control is not None:
-                w.control.fields[STOP] = 1
-            if w.chan is not None:
-                try:
-                    w.chan.send(("stop",), timeout=0.1)
-                except (OSError, ValueError):
-                    pass  # already gone
+            self._tell_stop(w)
         if deadline is None:
             deadline = time.monotonic() + DEFAULT_STOP_S
         with self._lock:
@@ -684,6 +677,12 @@ class ProcFetchers:
         even when fetch_fun does not return; and there may be no control page to flag)."""
         if w.done and w.control is not None and w.control.fields[STOP]:
             return
+        self._tell_stop(w)
+
+    @staticmethod
+    def _tell_stop(w: _Worker) -> None:
+        """Mark the worker done and ask its child to stop: the flag on its control page and the
+        message to its control thread (which ends the child even inside fetch_fun)."""
         w.done = True
         if w.control is not None:
             w.control.fields[STOP] = 1

@@ -49,7 +49,7 @@ from ..runtime import (
     session_model_bytes,
     session_model_path,
 )
-from ..sources.base import ROW_KEY, ShardedSource, ranges_of
+from ..sources.base import ROW_KEY, ShardedSource, jsonish, ranges_of
 from .outputdir import PART_RE, STATE_NAME, OutputDir
 from .partwriter import CommittedPart, PartWriter
 
@@ -468,7 +468,7 @@ def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any], depth:
     differs. A model hash that one side does not know is not compared."""
     out = []
     for key in sorted(set(theirs) | set(mine)):
-        a, b = _jsonish(theirs.get(key)), _jsonish(mine.get(key))
+        a, b = jsonish(theirs.get(key)), jsonish(mine.get(key))
         if key == "sha256" and (a is None or b is None):
             continue
         if a == b:
@@ -478,14 +478,6 @@ def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any], depth:
         else:
             out.append(f"{what} {key}: the output has {_short(a)}, this call {_short(b)}")
     return out
-
-
-def _jsonish(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return [_jsonish(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonish(x) for k, x in v.items()}
-    return v
 
 
 def _short(v: Any, limit: int = 200) -> str:

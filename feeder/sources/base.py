@@ -447,16 +447,17 @@ def check_state(state: Any, definition: Mapping[str, Any]) -> None:
                          + (f" of format {state.get('format')!r}" if isinstance(state, Mapping) else ""))
     theirs = state.get("definition") or {}
     diffs = [f"{k}: the state has {theirs.get(k)!r}, this source {v!r}" for k, v in definition.items()
-             if _jsonish(theirs.get(k)) != _jsonish(v)]
+             if jsonish(theirs.get(k)) != jsonish(v)]
     diffs += [f"{k}: the state has {theirs[k]!r}, this source has none" for k in theirs if k not in definition]
     if diffs:
         raise ValueError("resume_from is the state of a different source definition; " + "; ".join(diffs))
 
 
-def _jsonish(v: Any) -> Any:
-    """Compare as JSON would see it (tuples are lists after a round trip)."""
+def jsonish(v: Any) -> Any:
+    """``v`` as JSON would give it back, to compare with a state read from JSON (tuples are lists
+    after a round trip, dict keys strings)."""
     if isinstance(v, (list, tuple)):
-        return [_jsonish(x) for x in v]
+        return [jsonish(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _jsonish(x) for k, x in v.items()}
+        return {str(k): jsonish(x) for k, x in v.items()}
     return v
