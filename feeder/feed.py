@@ -42,6 +42,7 @@ log = logging.getLogger("feeder")
 READY_MAX = 4
 READY_BYTES = 4 * 2**20
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
+DISCARD_LOCK_S = 1.0  # stop waits at most this long for a thread in the middle of rebatching (seconds)
 
 
 class _EndOfData:
@@ -291,6 +292,8 @@ class Feed:
         rebatcher gets the chunks in the order they were taken. Returns END when the source has
         ended (the enqueuer finishes it), CLOSED when it was closed or the feed stopped, else None.
         Never waits: every batch it makes goes into room it saw."""
+        if self._stop.is_set():
+            return CLOSED  # what the feed holds is stop's to discard (_discard_held), under this lock
         rb, source, ready = self._rebatcher, self.source, self._ready
         new_size = self._take_new_batch_size()
         if new_size is not None:
@@ -559,11 +562,22 @@ class Feed:
         return ok
 
     def _discard_held(self) -> None:
-        """At stop, once the enqueuer has ended: the rows this feed still holds are discarded."""
-        rows = self._rebatcher.drop() + self._ready.clear() + self._inflight_rows
-        self._inflight_rows = 0
-        self._rows_discarded += rows
-        self.source.discarded(rows, fetched=False)
+        """At stop, once the enqueuer has ended: the rows this feed still holds are discarded.
+
+        Under the pump lock: a consumer may be rebatching in ``_pump`` (consumer threads are not
+        joined at stop); once stop is set, nothing takes or rebatches after this (``_pump_ready``
+        looks at the stop flag under the lock). Whoever holds the lock never waits long: the wait
+        is bounded all the same, and the ledger check that follows says if it was not enough."""
+        lock = self._pump_lock
+        got = lock.acquire(timeout=DISCARD_LOCK_S)
+        try:
+            rows = self._rebatcher.drop() + self._ready.clear() + self._inflight_rows
+            self._inflight_rows = 0
+            self._rows_discarded += rows
+            self.source.discarded(rows, fetched=False)
+        finally:
+            if got:
+                lock.release()
 
 
 def ready_depth(batch_nbytes: int) -> int:
