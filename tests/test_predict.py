@@ -461,12 +461,15 @@ from feeder.sources import ArraySource
 
 
 
+UNIT_S = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
+
+
 class SlowSource(ArraySource):
-    """Reading takes a while (50 ms a unit, 62 units, 4 fetchers: about 0.8 s in all), so that a
-    run outlasts the random moment it is killed at on any machine."""
+    """Reading takes a while (UNIT_S a unit, 62 units, 4 fetchers: about 0.8 s in all at 50 ms),
+    so that a run outlasts the random moment it is killed at on any machine."""
 
     def _read(self, unit, rows, worker_id):
-        time.sleep(0.05)
+        time.sleep(UNIT_S)
         return super()._read(unit, rows, worker_id)
 
 
@@ -501,10 +504,10 @@ def _env():
     return env
 
 
-def _child(tmp_path, die="no"):
+def _child(tmp_path, die="no", unit_s=0.05):
     return subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "out"),
-                             str(tmp_path / "m.onnx"), die], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                             str(tmp_path / "m.onnx"), die, str(unit_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
 
 
 def _check_committed(output):
@@ -536,7 +539,9 @@ def test_killed_at_random_moments_and_inside_commits_the_output_completes_with_e
     # from outside, at random moments once a run is under way
     for _ in range(2):
         before = committed[-1]
-        p = _child(tmp_path)
+        # Slower reading (about 3 s for the whole table), so that what is left after the earlier
+        # kills still outlasts the moment it is killed at: a run that finished first tests nothing.
+        p = _child(tmp_path, unit_s=0.2)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and p.poll() is None:
             state = json.loads((out / STATE_NAME).read_text())
