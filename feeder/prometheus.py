@@ -37,7 +37,7 @@ so the feed calls ``log(metrics, feed=feed)`` instead of ``log(metrics)`` (see
 One collector is registered per (registry, namespace) and shared by every ``PrometheusLogger``
 made for that pair, so several loggers may share a registry, and one logger may serve any
 number of registrations. prometheus_client is imported only when a logger is created
-(``pip install 'feeder[prometheus]'``).
+(``pip install 'onnx-feeder[prometheus]'``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from .feedstats import REPORT_KEYS, SOURCE_KEYS, TOTALS
 
 LABELS = ("source",)
 
-_INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'feeder[prometheus]'"
+_INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'onnx-feeder[prometheus]'"
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
 
 

@@ -1,20 +1,62 @@
-"""The documentation's docstring check (``docs/hooks/docstrings.py``), run in the main suite.
+"""The documentation and the package, checked in the main suite.
 
-``mkdocs build --strict`` fails when a public name has no docstring (the API reference is built
-from them); these tests run the same check without mkdocs, and check that the check can fail.
+* The docstring check (``docs/hooks/docstrings.py``): ``mkdocs build --strict`` fails when a
+  public name has no docstring or a public parameter is not documented (the API reference is
+  built from them); these tests run the same check without mkdocs, and check that it can fail.
+* The repository as a user meets it: install hints name the distribution ``setup.cfg`` declares,
+  and nothing points to a file outside the repository.
 """
 from __future__ import annotations
 
+import configparser
 import importlib.util
 import logging
+import os
+import re
+import subprocess
 from pathlib import Path
+from typing import List
 
 import pytest
 
 import feeder
 from feeder.sources import ArraySource
 
-HOOK = Path(__file__).resolve().parents[1] / "docs" / "hooks" / "docstrings.py"
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = ROOT / "docs" / "hooks" / "docstrings.py"
+# Not files of the repository: what git ignores (virtual environments, the built site, caches).
+NOT_OURS = {".git", "site", "build", "dist", "__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache",
+            ".ruff_cache"}
+
+
+def repo_files() -> List[Path]:
+    """Every file of the working tree that git would commit (tracked or not yet added)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout
+        return sorted(ROOT / name for name in out.decode().split("\0") if name and (ROOT / name).is_file())
+    except (OSError, subprocess.SubprocessError):  # not a git checkout (an unpacked archive)
+        files = []
+        for folder, dirs, names in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in NOT_OURS and not d.startswith(".venv")
+                       and not d.endswith(".egg-info")]
+            files += [Path(folder) / n for n in names]
+        return sorted(files)
+
+
+def repo_text_files() -> List[Path]:
+    """:func:`repo_files` that are text (UTF-8 without NUL bytes)."""
+    texts = []
+    for path in repo_files():
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        texts.append(path)
+    return texts
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +129,77 @@ def test_with_strict_the_hook_fails_the_build(hook, monkeypatch):
     monkeypatch.setattr(hook, "missing_docstrings", lambda: ["feeder.Nothing"])
     with pytest.raises(exceptions.PluginError, match="feeder.Nothing"):
         hook.on_config({"strict": True})
+
+
+# ---- the distribution's name (issue 26, item 11) --------------------------------------------
+def distribution_name() -> str:
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    return config["metadata"]["name"]
+
+
+# A pip command that names the distribution "fe"+"eder" (on PyPI, someone else's): as a requirement,
+# with or without extras. "onnx-feeder", a path or URL (".../x.git"), "-e ." and a comment do not count.
+WRONG = "fe" + "eder"
+
+
+def wrong_distribution_hints(text: str) -> List[str]:
+    """The pip commands in ``text`` that name the distribution ``feeder``."""
+    bad = []
+    for line in text.splitlines():
+        for match in re.finditer(r"pip3?\s+(?:install|uninstall|download|show|index\s+versions)\b[^\n`#]*", line):
+            command = match.group(0)
+            # a requirement "feeder" or "feeder[extra]": the name alone, not part of a longer one
+            if re.search(rf"(?<![\w./@+-]){WRONG}(?:\[[^\]]*\])?(?![\w.-])", command) \
+                    and not re.search(rf"(?<![\w./@+-]){WRONG}(?:\[[^\]]*\])?(?=/)", command):
+                bad.append(command.strip())
+    return bad
+
+
+def test_the_distribution_is_not_named_like_the_unrelated_pypi_project():
+    # "feeder" on PyPI is an unrelated project (0.4.3, 2014); the import name stays feeder.
+    assert distribution_name() == "onnx-feeder"
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    assert "feeder = feeder.__main__:main" in config["options.entry_points"]["console_scripts"]
+
+
+def test_no_install_hint_in_the_repository_names_the_wrong_distribution():
+    bad = {}
+    for path in repo_text_files():
+        hints = wrong_distribution_hints(path.read_text(encoding="utf-8"))
+        if hints:
+            bad[str(path.relative_to(ROOT))] = hints
+    assert not bad, f"pip commands naming the distribution {WRONG!r} (it is {distribution_name()!r}): {bad}"
+
+
+def test_install_hints_with_an_extra_name_our_distribution_and_a_declared_extra():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg", encoding="utf-8")
+    extras = set(config["options.extras_require"])
+    seen = 0
+    for path in repo_text_files():
+        for name, extra in re.findall(r"pip3?\s+install\s+[^\n`]*?'([\w.-]*feeder)\[([\w,]+)\]'",
+                                      path.read_text(encoding="utf-8")):
+            seen += 1
+            assert name == distribution_name(), (path, name)
+            assert set(extra.split(",")) <= extras, (path, extra)
+    assert seen >= 5  # the docs and the ImportError hints of feeder/
+
+
+@pytest.mark.parametrize("text", [
+    "pip install '" + WRONG + "[parquet]'", "pip install " + WRONG, "pip uninstall -q -y " + WRONG,
+    "run `pip install " + WRONG + "[ray]` first", "pip install -U '" + WRONG + "'",
+    "pip install '" + WRONG + "[parquet] @ git+https://example.org/x/y.git'",
+])
+def test_the_distribution_check_catches_the_wrong_name(text):
+    assert wrong_distribution_hints(text)
+
+
+@pytest.mark.parametrize("text", [
+    "pip install 'onnx-feeder[parquet]'", "pip install -e '.[test]'", "pip uninstall -q -y onnx-feeder",
+    "pip install --no-deps -e .", "pip install git+https://example.org/x/" + WRONG + ".git",
+    "pip install prometheus_client  # for " + WRONG,
+])
+def test_the_distribution_check_lets_the_right_names_pass(text):
+    assert not wrong_distribution_hints(text)

@@ -125,7 +125,7 @@ def test_without_prometheus_client_creating_a_logger_says_what_to_install():
             "try:\n    feeder.PrometheusLogger()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'feeder[prometheus]'" in out.stdout
+    assert "pip install 'onnx-feeder[prometheus]'" in out.stdout
 
 
 def test_counters_survive_a_gone_feed_and_hand_calls_name_their_source():

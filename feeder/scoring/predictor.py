@@ -147,7 +147,7 @@ def _import_pyarrow() -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401
     except ImportError as e:
-        raise ImportError("feeder.predict writes Parquet and needs pyarrow: pip install 'feeder[parquet]' "
+        raise ImportError("feeder.predict writes Parquet and needs pyarrow: pip install 'onnx-feeder[parquet]' "
                           "(or pip install pyarrow)") from e
     return pyarrow
 

@@ -1,6 +1,6 @@
 """ParquetSource: columns of Parquet files as inputs, one row group per unit of work.
 
-pyarrow is an optional extra (``pip install 'feeder[parquet]'``); it is imported when a
+pyarrow is an optional extra (``pip install 'onnx-feeder[parquet]'``); it is imported when a
 ParquetSource is created, never by ``import feeder``.
 """
 from __future__ import annotations

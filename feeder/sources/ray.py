@@ -67,7 +67,7 @@ from .base import ROW_KEY, SourceBinding
 
 log = logging.getLogger("feeder")
 
-INSTALL_HINT = "pip install 'feeder[ray]' (or pip install 'ray[data]')"
+INSTALL_HINT = "pip install 'onnx-feeder[ray]' (or pip install 'ray[data]')"
 SLICE_S = 0.05          # longest single wait of a fetch call or a pump, so stop and stalls are seen
 PUMP_QUEUE = 2          # numpy batches a shard's pump holds ready ahead of its fetchers
 RELEASE_WAIT_S = 0.5    # release() lets pumps finish a call into Ray this long before killing the split actor
