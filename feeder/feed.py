@@ -57,7 +57,7 @@ class Feed:
     """One registration: ``num_worker_threads`` fetchers, one enqueuer, and the consumer calls.
 
     Created by :func:`feeder.init_data_input_workers`; get it back with
-    ``coordinator.feed(name)``. Consumer calls raise the errors described in API.md.
+    ``coordinator.feed(name)``. Consumer calls raise the errors the contract describes (docs/reference/contract.md).
     Batches handed out by :meth:`next_batch` stay valid for as long as the caller holds
     them: a buffer is reused only once nothing references it any more.
 
@@ -437,7 +437,7 @@ class Feed:
 
     def _next_prepared(self, timeout: Optional[float]) -> Tuple[PreparedBatch, float, float]:
         """The next batch, when the call began and when it got the batch (monotonic seconds); the
-        caller counts it (``counters``). Raises as API.md says."""
+        caller counts it (``counters``). Raises as the contract says."""
         start = time.monotonic()
         if timeout is not None and not timeout >= 0:  # also NaN, which would wait forever
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")

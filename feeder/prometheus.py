@@ -10,7 +10,7 @@ Usage::
     prometheus_client.start_http_server(8000)              # your exporter: feeder opens no socket
 
 Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` with one label,
-``source`` (the feed's ``input_source_name``), as API.md says. Data-parallel replicas of a
+``source`` (the feed's ``input_source_name``), as the contract says. Data-parallel replicas of a
 source are added up into the source's series: their per-feed counts and rates are summed,
 and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
 ``live_workers``, ``batch_size``, ``uptime_s``: ``feeder.feedstats.SOURCE_KEYS``) is taken

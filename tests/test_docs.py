@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import List
 
@@ -203,3 +204,132 @@ def test_the_distribution_check_catches_the_wrong_name(text):
 ])
 def test_the_distribution_check_lets_the_right_names_pass(text):
     assert not wrong_distribution_hints(text)
+
+
+# ---- nothing points outside the repository (issue 26, item 12) ------------------------------
+# The contract is docs/reference/contract.md. Spelt in pieces so that this file does not match.
+OUTSIDE = [re.compile(p, re.IGNORECASE) for p in (r"\bAPI" + r"\.md\b", r"\.\./" + "shared", "shared" + r"\s+folder")]
+
+
+def outside_references(text: str) -> List[str]:
+    """What in ``text`` points to a file outside the repository."""
+    return [m.group(0) for pattern in OUTSIDE for m in pattern.finditer(text)]
+
+
+def test_nothing_in_the_repository_points_to_files_outside_it():
+    bad = {}
+    for path in repo_text_files():
+        found = outside_references(path.read_text(encoding="utf-8"))
+        if found:
+            bad[str(path.relative_to(ROOT))] = found
+    assert not bad, f"references to files outside the repository (the contract is docs/reference/contract.md): {bad}"
+
+
+@pytest.mark.parametrize("text", ["see API" + ".md", "in the team's shared" + " folder", "../" + "shared/API" + ".md",
+                                  "`api" + ".md`", "the Shared" + "\nFolder"])
+def test_the_outside_reference_check_can_fail(text):
+    assert outside_references(text)
+
+
+def test_the_contract_page_is_in_the_docs_and_the_navigation():
+    page = (ROOT / "docs" / "reference" / "contract.md").read_text(encoding="utf-8")
+    for heading in ("## Registering a source", "## Chunks", "## The coordinator", "## The feed (one registration)",
+                    "## Sessions", "## Worker processes", "## Sources", "## Checkpoint and resume",
+                    "## Observability", "## Batch inference to files"):
+        assert heading in page, heading
+    assert "reference/contract.md" in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "reference/contract.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# ---- code blocks: runnable as pasted, or marked as fragments (issue 26, item 10) -------------
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+CODEBLOCKS = _load("feeder_docs_codeblocks", ROOT / "docs" / "hooks" / "codeblocks.py")
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+BLOCK_TIMEOUT_S = 120  # each block's subprocess; they take 1-10 s on the 2-core CI machine
+# Imports that come with an optional extra: a block that needs one is skipped where it is absent.
+OPTIONAL = {"pyarrow": "parquet", "ray": "ray", "prometheus_client": "prometheus", "onnx": "examples",
+            "tqdm": "examples", "magika": "examples", "torch": "bench"}
+
+
+def page_blocks():
+    for page in PAGES:
+        for block in CODEBLOCKS.code_blocks(page.read_text(encoding="utf-8")):
+            yield page, block
+
+
+def runnable_blocks():
+    return [pytest.param(page, block, id=f"{page.relative_to(ROOT)}:{block.line}")
+            for page, block in page_blocks() if block.is_python and block.fragment is None]
+
+
+def test_every_code_block_names_its_language():
+    # A block without a language could be Python that nobody runs; "text" is for output.
+    bare = [f"{page.relative_to(ROOT)}:{block.line}" for page, block in page_blocks() if not block.lang]
+    assert not bare, f"fenced code blocks without a language (python, bash, text, ...): {bare}"
+
+
+def test_fragments_say_why():
+    vague = [f"{page.relative_to(ROOT)}:{block.line}" for page, block in page_blocks()
+             if block.is_python and block.fragment is not None and len(block.fragment) < 10]
+    assert not vague, f"'# fragment:' needs a reason (what is missing, where a whole program is): {vague}"
+
+
+def test_the_quick_starts_run_as_pasted():
+    quick = [(page, block) for page, block in page_blocks()
+             if page.name in ("README.md", "index.md", "getting-started.md") and block.is_python]
+    assert len(quick) >= 3 and all(block.fragment is None for _, block in quick)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, block", runnable_blocks())
+def test_code_block_runs_as_pasted(page, block, tmp_path):
+    import ast
+
+    tree = ast.parse(block.code)  # a block that is not even Python fails here
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            top = name.split(".")[0]
+            if top in OPTIONAL and importlib.util.find_spec(top) is None:
+                pytest.skip(f"needs {top} (the {OPTIONAL[top]!r} extra), which is not installed")
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=BLOCK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{page.relative_to(ROOT)}:{block.line} did not end within {BLOCK_TIMEOUT_S} s: {e.stderr}")
+    assert out.returncode == 0, (
+        f"{page.relative_to(ROOT)}:{block.line} does not run as pasted (mark it '# fragment: why' if it is "
+        f"not meant to):\n{block.code}\n--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}")
+
+
+def test_the_block_parser_finds_fences_in_lists_and_marks_fragments():
+    text = ("intro\n\n```python\nprint(1)\n```\n\n- item\n\n    ```python\n    # fragment: x is yours, see y.py\n"
+            "    f(x)\n    ```\n\n~~~text\nout\n~~~\n\n```\nbare\n```\n")
+    blocks = CODEBLOCKS.code_blocks(text)
+    assert [(b.lang, b.line, b.fragment) for b in blocks] == [
+        ("python", 3, None), ("python", 9, "x is yours, see y.py"), ("text", 14, None), ("", 18, None)]
+    assert blocks[1].code == "# fragment: x is yours, see y.py\nf(x)\n"
+    noted = CODEBLOCKS.note_fragments(text)
+    assert noted.count("A fragment, not a whole program") == 1
+    assert "    *A fragment" in noted  # indented like its block, inside the list item
+
+
+def test_the_readme_commands_are_the_ones_ci_runs():
+    # The README's first block: the main job, then the tests; .ci/run runs the test command verbatim.
+    readme = CODEBLOCKS.code_blocks((ROOT / "README.md").read_text(encoding="utf-8"))[0]
+    commands = [line for line in readme.code.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2 and commands[0].endswith("python examples/classify_files.py")
+    assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert "pip install -q -e '.[examples]'" in commands[0] and "pip install -q -e '.[test]'" in commands[1]
