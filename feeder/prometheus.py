@@ -181,9 +181,18 @@ def _collector_for(registry: Any, namespace: str) -> _Collector:
 class PrometheusLogger:
     """An external logger that publishes feeds' metrics in a Prometheus registry the user owns.
 
-    ``registry``: a ``prometheus_client.CollectorRegistry`` (None: ``prometheus_client.REGISTRY``).
-    ``namespace``: the prefix of every series name. Pass the logger in ``external_loggers`` of
-    any number of registrations; see the module docstring for names and labels.
+    Pass the logger in ``external_loggers`` of any number of registrations: each key of
+    ``feed.metrics()`` becomes the series ``<namespace>_<key>``, labelled ``source="<name>"``.
+    feeder never serves the registry: that is yours (``prometheus_client.start_http_server``).
+
+    Args:
+        registry: A ``prometheus_client.CollectorRegistry``; None: ``prometheus_client.REGISTRY``.
+        namespace: The prefix of every series name (a valid Prometheus name prefix).
+
+    Raises:
+        ImportError: prometheus_client (the ``prometheus`` extra) is not installed.
+        ValueError: A ``namespace`` that is not a valid prefix, or one whose series another
+            collector of the registry already has.
     """
 
     log_with_feed = True  # the feed calls log(metrics, feed=feed); see feeder.metrics
@@ -202,8 +211,14 @@ class PrometheusLogger:
         self._collector = _collector_for(self.registry, namespace)
 
     def log(self, metrics: Mapping[str, float], feed: Any = None, source: Optional[str] = None) -> None:
-        """Record ``metrics`` as the latest values of ``feed``'s source (or of ``source``, when
-        called by hand without a feed; default ``"unknown"``)."""
+        """Record ``metrics`` as the latest values of a source (feeds call this at every report).
+
+        Args:
+            metrics: A feed's metrics, ``{key: value}``.
+            feed: The feed reporting them; its ``input_source_name`` labels the series, and
+                replicas of a source add up.
+            source: The label when called by hand without a feed; None: ``"unknown"``.
+        """
         if feed is not None:
             source = feed.input_source_name
         self._collector.update("unknown" if source is None else str(source), feed, metrics)

@@ -132,6 +132,61 @@ def test_with_strict_the_hook_fails_the_build(hook, monkeypatch):
         hook.on_config({"strict": True})
 
 
+
+# ---- every public parameter documented (issue 26, item 16) ----------------------------------
+def test_every_public_parameter_is_documented(hook):
+    assert hook.undocumented_parameters() == []
+
+
+def test_the_parameter_check_covers_the_entry_points_and_the_feed(hook, monkeypatch):
+    doc = feeder.predict.__doc__
+    without = "\n".join(line for line in doc.splitlines() if not line.strip().startswith("batch_size:"))
+    monkeypatch.setattr(feeder.predict, "__doc__", without)
+    monkeypatch.setattr(feeder.init_data_input_workers, "__doc__", "Register.\n\nArgs:\n    session: the session.\n")
+    monkeypatch.setattr(feeder.Feed.run, "__doc__", "Run the next batch.")
+    missing = hook.undocumented_parameters()
+    assert "feeder.predict(batch_size)" in missing and "feeder.predict(mp_context)" not in missing
+    for name in ("input_source_name", "init_fun", "external_loggers", "dont_rebatch", "mp_context"):
+        assert f"feeder.init_data_input_workers({name})" in missing
+    assert "feeder.init_data_input_workers(session)" not in missing
+    assert {"feeder.Feed.run(output_names)", "feeder.Feed.run(run_options)"} <= set(missing)
+
+
+def test_a_constructor_and_a_dataclass_field_are_checked(hook, monkeypatch):
+    monkeypatch.setattr(ArraySource, "__doc__", "Rows of arrays.")
+    monkeypatch.setattr(feeder.PredictResult, "__doc__", "What predict did.\n\nAttributes:\n    rows: rows.\n")
+    missing = hook.undocumented_parameters()
+    assert "feeder.sources.ArraySource(block_rows)" in missing
+    assert "feeder.PredictResult.files" in missing and "feeder.PredictResult.rows" not in missing
+    # feeder makes feeds and queues itself: their constructors are not for users
+    assert not any(m.startswith(("feeder.Feed(", "feeder.ChunkQueue(")) for m in missing)
+
+
+def test_the_args_parser_reads_google_sections(hook):
+    doc = """Summary.
+
+    Args:
+        first (int): One line.
+        second: Two
+            lines, with a colon: inside.
+        *rest: Varargs.
+
+    Keyword Args:
+        third: Keyword.
+
+    Returns:
+        value: not a parameter.
+    """
+    assert hook.documented_parameters(doc) == ["first", "second", "rest", "third"]
+
+
+def test_with_strict_a_parameter_without_documentation_fails_the_build(hook, monkeypatch):
+    exceptions = pytest.importorskip("mkdocs.exceptions")
+    monkeypatch.setattr(hook, "missing_docstrings", lambda: [])
+    monkeypatch.setattr(hook, "undocumented_parameters", lambda: ["feeder.predict(batch_size)"])
+    with pytest.raises(exceptions.PluginError, match=r"feeder\.predict\(batch_size\)"):
+        hook.on_config({"strict": True})
+
 # ---- the distribution's name (issue 26, item 11) --------------------------------------------
 def distribution_name() -> str:
     config = configparser.ConfigParser()
