@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -388,3 +389,58 @@ def test_the_readme_commands_are_the_ones_ci_runs():
     assert len(commands) == 2 and commands[0].endswith("python examples/classify_files.py")
     assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert "pip install -q -e '.[examples]'" in commands[0] and "pip install -q -e '.[test]'" in commands[1]
+
+
+# ---- every figure has its results file; the plots are drawn from them (items 15 and 17) ------
+RESULTS_NAMED = re.compile(r"benchmarks/results/[\w.-]+\.json")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def doc_pages():
+    return [ROOT / "README.md", ROOT / "benchmarks" / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def test_every_results_file_a_page_names_exists():
+    named = {}
+    for page in doc_pages():
+        text = page.read_text(encoding="utf-8")
+        for name in RESULTS_NAMED.findall(text):
+            named.setdefault(name, str(page.relative_to(ROOT)))
+        if page.parent.name == "benchmarks":  # benchmarks/README.md says results/NAME.json
+            for name in re.findall(r"(?<![\w/])results/[\w.-]+\.json", text):
+                named.setdefault("benchmarks/" + name, str(page.relative_to(ROOT)))
+    assert len(named) >= 6
+    missing = {name: page for name, page in named.items() if not (ROOT / name).is_file()}
+    assert not missing, f"results files named by the docs but not committed: {missing}"
+    for name in named:
+        json.loads((ROOT / name).read_text(encoding="utf-8"))  # a results file is JSON
+
+
+def test_every_dated_section_names_its_results_file():
+    # A date in a section of README.md or docs/ is when something was measured: the section must
+    # say where its figures are kept (the contract and benchmarks/README.md's history excepted).
+    bad = []
+    for page in [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")):
+        sections = re.split(r"\n(?=#{1,3} )", page.read_text(encoding="utf-8"))
+        for section in sections:
+            if DATE.search(section) and not RESULTS_NAMED.search(section):
+                bad.append(f"{page.relative_to(ROOT)}: {section.splitlines()[0]}")
+    assert not bad, f"sections with a measurement date but no benchmarks/results/ file: {bad}"
+
+
+def _plots():
+    return _load("feeder_benchmark_plots", ROOT / "benchmarks" / "plots.py")
+
+
+def test_the_committed_plots_are_what_the_script_draws_from_the_committed_results():
+    pytest.importorskip("matplotlib")  # the docs extra; .ci/run also runs plots.py --check there
+    assert _plots().stale() == [], "run python benchmarks/plots.py and commit docs/images/perf-*.svg"
+
+
+def test_every_plot_is_shown_and_none_is_left_over():
+    plots = _plots()
+    committed = {p.name for p in (ROOT / "docs" / "images").glob("perf-*.svg")}
+    assert committed == set(plots.PLOTS)
+    pages = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "docs").glob("*.md"))
+    for name in plots.PLOTS:
+        assert f"images/{name}" in pages, name
