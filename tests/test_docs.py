@@ -444,3 +444,14 @@ def test_every_plot_is_shown_and_none_is_left_over():
     pages = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "docs").glob("*.md"))
     for name in plots.PLOTS:
         assert f"images/{name}" in pages, name
+
+
+# ---- the command line's help speaks plain text (issue 26, item 14) ---------------------------
+@pytest.mark.parametrize("command", [[], ["bench"], ["predict"]])
+def test_the_command_line_help_has_no_markup(command):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "feeder", *command, "--help"], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "usage" in out.stdout.lower()
+    assert "``" not in out.stdout and not re.search(r":(func|class|meth):`", out.stdout), out.stdout
