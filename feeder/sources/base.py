@@ -524,7 +524,6 @@ def file_differences(theirs: List[Any], mine: List[Any], *, theirs_has: str = "t
     if added:
         out.append(f"{len(added)} file(s) added ({mine_has} has them, {theirs_has} not): {_names(added)}")
     changed: Dict[str, List[str]] = {}
-    touched_only = False
     for name, old in a.items():
         new = b.get(name)
         if new is None or old == new:
@@ -542,19 +541,18 @@ def file_differences(theirs: List[Any], mine: List[Any], *, theirs_has: str = "t
             if versions and old.get("version") != new.get("version"):
                 scheme = str(old.get("version")).partition(":")[0]
                 if scheme == "mtime_ns":
-                    how.append("modified (its modification time moved)")
-                    touched_only = touched_only or len(how) == 1
+                    how.append("modification time moved")
                 elif scheme == "sha256":
                     how.append("other contents")
                 else:
                     how.append(f"version {old.get('version')!r} -> {new.get('version')!r}")
+        if how == ["modification time moved"]:
+            how = ["only its modification time moved (touched or copied? a checkpoint written with "
+                   "identity='content' compares contents instead)"]
         if how:
             changed.setdefault(", ".join(how), []).append(name)
     for what, names in changed.items():
         out.append(f"{len(names)} file(s) changed ({what}): {_names(names)}")
-    if touched_only:
-        out.append("a file whose modification time alone moved is another file unless identity='content', which "
-                   "compares contents instead (for files touched or copied with the same contents)")
     if not out and [f.get("name") for f in a.values()] != [f.get("name") for f in b.values()]:
         out.append("the same files in another order")
     return out
