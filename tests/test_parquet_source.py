@@ -370,3 +370,23 @@ def test_parquet_source_in_worker_processes(files):
     ids = np.concatenate([b["id"] for b in got])
     assert Counter(ids.tolist()) == Counter({i: 2 for i in range(175)})
     assert all(b["name"].tolist() == [f"row{i}" for i in b["id"]] for b in got)
+
+
+def test_a_state_of_an_earlier_feeder_is_refused_saying_so_and_showing_no_hash(tmp_path):
+    """States written before issue 26 record files as [name, rows] and hashes of all footers."""
+    path = tmp_path / "s.parquet"
+    write_scores(path, np.arange(30.0))
+    _, state = consume(ParquetSource(path), inputs=["id", "score"], take=1, batch_size=4)
+    old = dict(state["definition"])
+    old.pop("identity")
+    old["files"] = [["s.parquet", 30]]
+    old["row_groups"], old["footers"] = "0123456789abcdef", "fedcba9876543210"
+    with pytest.raises(ValueError) as info:
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8,
+                                       coordinator=feeder.GlobalCoordinator(),
+                                       resume_from={**state, "definition": old})
+    msg = str(info.value)
+    assert ("files: 1 file(s) changed (no size or version recorded (a state of an earlier version of feeder)): "
+            "'s.parquet'") in msg
+    assert "row_groups: the state has a hash, this source has none" in msg
+    assert not re.search(r"[0-9a-f]{16}", msg), msg

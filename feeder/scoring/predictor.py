@@ -19,8 +19,10 @@ committed parts and holds a source state (``feeder.source-state/1``, as ``coord.
 gives it) whose delivered rows are exactly the rows in those parts: it is built from the row keys
 of each part as the part is committed, never from what the replicas were handed. Calling again
 with the same arguments resumes from it (``resume_from=``): committed rows are not fetched
-again, everything else is. The state also records a fingerprint of the model and the options that
-shape the output, so that an output is never continued with another model or other columns.
+again, everything else is. The state also records a fingerprint of the model (its signature, and
+hashes of its bytes and external data files: :mod:`~feeder.scoring.modelid`) and the options that
+shape the output, so that an output is never continued with another model or other columns. A
+state that commits no part is never held against a call: it holds nothing to lose.
 """
 from __future__ import annotations
 
@@ -108,10 +110,14 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     of the model's inputs (as in ``init_data_input_workers``). ``_durable=False`` skips the fsyncs
     and the per-part state (for benchmarks that measure what the commits cost; not crash-safe).
 
-    Raises ValueError, before any row is computed, for a model input or kept input the source
-    lacks, an output the model lacks, an output directory holding files that are not ours, an
-    output of another source definition or model (unless ``overwrite``), an endless source; and
-    ImportError when pyarrow (the ``parquet`` extra) is missing.
+    Raises ValueError, before any row is computed, for a model file onnxruntime cannot load, a
+    model input or kept input the source lacks, an output the model lacks or one that is not one
+    value per row (from the signature, or at the first batch before any row is written), an
+    output directory holding files that are not ours or inside a folder a ``ParquetSource``
+    reads, an output of another source definition or model (unless ``overwrite``; the message
+    names the files, inputs, outputs or external data files that differ), an endless source; and
+    ImportError when pyarrow (the ``parquet`` extra) is missing. The output holds ``_SUCCESS``
+    exactly when it is complete.
     """
     t0 = time.perf_counter()
     _import_pyarrow()

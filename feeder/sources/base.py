@@ -476,7 +476,7 @@ def definition_differences(theirs: Mapping[str, Any], mine: Mapping[str, Any], *
             out += definition_differences(a, b, theirs_has=theirs_has, mine_has=mine_has, depth=depth - 1,
                                           prefix=f"{label} ")
         elif key not in mine:
-            out.append(f"{label}: {theirs_has} {_shown(a)}, {mine_has} has none")
+            out.append(f"{label}: {theirs_has} {'a hash' if _is_digest(a) else _shown(a)}, {mine_has} has none")
         elif _is_digest(a) or _is_digest(b):
             out.append(f"{label}: {theirs_has} other contents than {mine_has} (their hashes differ)")
         else:
