@@ -57,8 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=_count(1), default=None, help="threads running the model (default: one per "
                                                                     "core)")
     p.add_argument("--rows-per-file", type=_count(1), default=262_144, help="rows per part file (default 262144)")
-    p.add_argument("--cast", action="store_true", help="convert columns of a type that casts safely to the model's "
-                                                       "input type (int32 to int64, float16 to float32...)")
+    p.add_argument("--cast", action="store_true", help="convert columns to the model's input types where that is "
+                                                       "safe (float64 to float32, int64 to int32 when the values fit)")
     p.add_argument("--identity", choices=("metadata", "content"), default="metadata",
                    help="how an input file is known again when a run continues: metadata (default: size, "
                         "modification time and footer) or content (a SHA-256 of its bytes, read whole: for data "
