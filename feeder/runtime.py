@@ -194,10 +194,13 @@ class Runner:
         if binding is None:  # not prepared by an enqueuer (a batch made by hand)
             self.prepare(batch)
             binding = batch.binding
-        if output_names is not None and list(output_names) != batch.output_names:
-            names = list(output_names)
-            self._want = names  # batches prepared from now on bind these
-            self._bind_outputs(binding, batch, names, batch.shape_key)
+        # No names means every output, in the session's order, whatever an earlier call asked for.
+        asked = self._all_outputs if output_names is None else output_names
+        if asked != batch.output_names:
+            names = list(asked)
+            if names != batch.output_names:
+                self._want = names  # batches prepared from now on bind these
+                self._bind_outputs(binding, batch, names, batch.shape_key)
         try:
             try:
                 self.session.run_with_iobinding(binding, run_options)

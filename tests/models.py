@@ -168,3 +168,25 @@ LOGISTIC_STATE = {"W_new": "W", "b_new": "b", "vW_new": "vW", "vb_new": "vb"}
 def logistic_zero_state(dim: int) -> dict:
     z = np.zeros(dim, np.float32)
     return {"W": z, "b": np.float32(0.0), "vW": z, "vb": np.float32(0.0)}
+
+
+def id_outputs_model(width: int = 2) -> bytes:
+    """Three outputs that each tell the row id of x float32 [N, width] (id in column 0, 1.0 in
+    column 1): a = x [N, width], b = 2 * x [N, width], c = sum(x, axis=1) = id + 1 + ... [N].
+    A consumer can check that every output it got belongs to one batch: the ids agree."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Identity", ["x"], ["a"]),
+        helper.make_node("Mul", ["x", "two"], ["b"]),
+        helper.make_node("ReduceSum", ["x", "axes"], ["c"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "id_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", width]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", width]),
+         helper.make_tensor_value_info("c", TensorProto.FLOAT, ["N"])],
+        initializer=[numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
+                     numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")])
+    return _model(graph)

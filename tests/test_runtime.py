@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from models import linear_model, session, two_input_model  # noqa: E402
+from models import id_outputs_model, linear_model, session, two_input_model  # noqa: E402
 
 import feeder  # noqa: E402
 
@@ -201,3 +201,50 @@ def test_fixed_batch_dimension_drops_the_short_last_batch_instead_of_failing_in_
     m = feed.metrics()
     assert m["source_rows_delivered"] == 8 and m["source_rows_dropped"] == 2
     assert any("dropped the last 2 rows" in r.getMessage() for r in caplog.records)
+
+
+class IdRows:
+    """A finite fetch function: chunks of 1..``max_rows`` rows of x = [id, 1.0], every id of
+    0..n-1 once (so batches span chunks and are assembled in reused buffers)."""
+
+    def __init__(self, n, max_rows=24, seed=0):
+        self.n, self.max_rows = n, max_rows
+        self._next = 0
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def __call__(self, worker_id, batch_size):
+        with self._lock:
+            if self._next >= self.n:
+                raise StopIteration
+            k = int(self._rng.integers(1, self.max_rows + 1))
+            start, self._next = self._next, min(self.n, self._next + k)
+            stop = self._next
+        x = np.ones((stop - start, 2), np.float32)
+        x[:, 0] = np.arange(start, stop)
+        return [x]
+
+
+ID_OUTPUTS = ["a", "b", "c"]
+
+
+def ids_of(name, out):
+    """The row ids an output of id_outputs_model encodes."""
+    return {"a": lambda o: o[:, 0], "b": lambda o: o[:, 0] / 2, "c": lambda o: o - 1}[name](out)
+
+
+def test_run_without_names_always_means_every_output(coord):
+    """Issue 26, item 19: after run(["s"]), run() returned [s] (and after run(["s", "y"]) the two in
+    that order), not every output in the session's order."""
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, None, IdRows(10**6), 4, num_worker_threads=1, coordinator=coord,
+                                   timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    for names in (None, ["c"], None, ["c", "a"], None, ["b"], ["b"], None, None):
+        outs = feed.run(names)
+        want = ID_OUTPUTS if names is None else names
+        assert len(outs) == len(want), (names, [o.shape for o in outs])
+        ids = ids_of(want[0], outs[0])
+        for name, out in zip(want, outs):
+            assert np.array_equal(ids_of(name, out), ids), (names, name)
