@@ -94,6 +94,10 @@ class BufferRing:
     as it is referenced, and a consumer that drops each batch before taking the next (the
     steady state of ``feed.run()`` and of most loops) allocates nothing.
     Changing shapes or dtypes (a new batch size) starts a new ring.
+
+    Not thread-safe (pure logic, like the rest of this module): one thread at a time may call
+    :meth:`take`. The feed's ring is used under its pump lock; the runtime's output rings under
+    their own lock (``feeder.runtime.Runner``).
     """
 
     def __init__(self, size: int):

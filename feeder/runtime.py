@@ -103,6 +103,9 @@ _SHAPE_MISMATCH = ("shape mismatch", "re-use buffer", "reuse buffer")
 # Input shapes whose output shapes a Runner remembers: batches of one size (and a short last one)
 # need a few; chunks passed on as they come (dont_rebatch) of ever new sizes must not grow it forever.
 MAX_TEMPLATES = 64
+# Output lists (and input shapes) whose buffer rings a Runner keeps at once: consumers asking for a
+# few different output lists each reuse theirs; beyond this, the least recently made ring goes.
+MAX_OUTPUT_RINGS = 8
 
 
 class Runner:
@@ -138,15 +141,43 @@ class Runner:
         self._bindings: Deque[Any] = deque()  # free IOBindings, handed back by consumers after a run
         self._templates: Dict[Any, Optional[List[Tuple[Tuple[int, ...], np.dtype]]]] = {}
         self._bind_ahead = True  # False once the model showed output shapes that depend on the data
-        self._out_ring = BufferRing(ring_size)
+        # Output buffers: a ring per output list and input shapes, so that consumers asking for
+        # different outputs do not start each other's ring afresh. Taken by whoever prepares a
+        # batch (under the feed's pump lock) and by a consumer rebinding other outputs (no lock):
+        # a BufferRing is not thread-safe, so every take holds this lock.
+        self._ring_size = ring_size
+        self._out_rings: Dict[Any, BufferRing] = {}
+        self._out_lock = threading.Lock()
+        self._dropped_allocations = 0  # those of rings dropped (output_allocations)
 
     @property
     def ring_size(self) -> int:
-        return self._out_ring.size
+        return self._ring_size
 
     @ring_size.setter
     def ring_size(self, size: int) -> None:
-        self._out_ring.size = size
+        with self._out_lock:
+            self._ring_size = size
+            for ring in self._out_rings.values():
+                ring.size = size
+
+    @property
+    def output_allocations(self) -> int:
+        """Output buffer sets allocated so far (a consumer that drops its outputs before its next
+        run lets them be reused: steady state allocates none)."""
+        with self._out_lock:
+            return self._dropped_allocations + sum(r.allocations for r in self._out_rings.values())
+
+    def _take_outputs(self, key: Any, template: List[Tuple[Tuple[int, ...], np.dtype]]) -> List[np.ndarray]:
+        """A set of output buffers for ``template`` that nobody holds (any thread may ask)."""
+        with self._out_lock:
+            ring = self._out_rings.get(key)
+            if ring is None:
+                if len(self._out_rings) >= MAX_OUTPUT_RINGS:  # the oldest goes; its holders keep theirs
+                    oldest = next(iter(self._out_rings))
+                    self._dropped_allocations += self._out_rings.pop(oldest).allocations
+                ring = self._out_rings[key] = BufferRing(self._ring_size)
+            return ring.take([t[0] for t in template], [t[1] for t in template])
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
         if self._custom:
@@ -178,7 +209,7 @@ class Runner:
             for name in names:
                 binding.bind_output(name)
             return
-        outs = self._out_ring.take([t[0] for t in template], [t[1] for t in template])
+        outs = self._take_outputs((key, tuple(names)), template)
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         for name, buf in zip(names, outs):
             binding.bind_ortvalue_output(name, from_numpy(buf))
