@@ -382,12 +382,33 @@ class Feed:
             batch.keys = keys
             batch.nbytes += keys.nbytes  # the source counted them in; delivery must count them out
         if self._runner is not None:
-            self._runner.prepare(batch)
+            try:
+                self._runner.prepare(batch)
+            except Exception as e:
+                self._prepare_failed(batch, e)
+                return False
         self._batches_made += 1
         if not self._put_ready(batch):
             return False
         self._inflight_rows = 0
         return True
+
+    def _prepare_failed(self, batch: PreparedBatch, e: Exception) -> None:
+        """The session's preparation of a batch raised (a custom adapter's ``prepare_batch``, or
+        binding it for the runtime). Whichever thread was moving batches on (the enqueuer, a
+        producer's or a consumer's pump) must not be the only one to hear of it while the feed goes
+        on without the batch: the source fails, sticky, like any failure, and the batch's rows are
+        booked as discarded, so the ledger still balances."""
+        rows = batch.rows
+        self._inflight_rows = 0
+        self._rows_discarded += rows
+        self.source.discarded(rows, fetched=False)
+        what = "prepare_batch" if callable(getattr(self.session, "prepare_batch", None)) else "preparing a batch"
+        self.source.fail(Failure(FeederError(
+            f"source {self.input_source_name!r}: the session's {what} raised {type(e).__name__}: {e} "
+            f"(on a batch of {rows} rows, in thread {threading.current_thread().name!r}); the source has failed"), e))
+        log.error("source %r: the session's %s raised; the source has failed", self.input_source_name, what,
+                  exc_info=e)
 
     def _put_ready(self, item: Any) -> bool:
         if self._batches_made == 1 and isinstance(item, PreparedBatch):

@@ -111,7 +111,9 @@ MAX_OUTPUT_RINGS = 8
 class Runner:
     """Runs batches through one session for one feed.
 
-    ``prepare`` runs in the enqueuer thread, ahead of the consumer: OrtValues wrap the batch's
+    ``prepare`` runs when a batch is made, ahead of the consumer, in whichever thread moves
+    batches into the feed's ready queue (the enqueuer, a producer's pump or a consumer that found
+    nothing ready; always under the feed's pump lock, one batch at a time): OrtValues wrap the batch's
     arrays (no copy) and, for an InferenceSession, an IOBinding from a small pool gets them bound,
     with every output bound too: to buffers of a reused ring (``BufferRing``: a buffer set is
     reused once nobody holds the arrays ``run`` returned from it) when the output shapes for these
@@ -124,7 +126,9 @@ class Runner:
 
     Sessions that are not InferenceSessions (training adapters) implement
     ``run_batch(batch: PreparedBatch, output_names, run_options) -> list`` themselves, and
-    optionally ``prepare_batch(batch)`` (run in the enqueuer thread).
+    optionally ``prepare_batch(batch)``, called as ``prepare`` is (in any thread, under the feed's
+    pump lock, one batch at a time, in batch order). An exception from it fails the source
+    (``Feed._prepare_failed``).
     """
 
     def __init__(self, session: Any, input_names: Sequence[str], ring_size: int = 6):
@@ -294,7 +298,7 @@ class StatefulSession:
     value). Steps are serialised by a lock, so several feeds may share one adapter.
 
     ``device`` / ``device_id`` place the state and the batch OrtValues ("cpu", or "cuda" with a
-    CUDA provider); batches are moved there in the enqueuer thread.
+    CUDA provider); batches are moved there when they are made (``prepare_batch``), ahead of the step.
     """
 
     def __init__(self, session: Any, state: Mapping[str, str],
@@ -347,7 +351,8 @@ class StatefulSession:
         return list(self._state_inputs)
 
     def prepare_batch(self, batch: PreparedBatch) -> None:
-        """Wrap the batch's arrays as OrtValues on ``device`` (called in the enqueuer thread)."""
+        """Wrap the batch's arrays as OrtValues on ``device`` (called when the batch is made, by
+        whichever thread makes it, ahead of the step that runs it)."""
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         batch.ortvalues = [from_numpy(np.ascontiguousarray(a), self.device, self.device_id) for a in batch.arrays]
 
@@ -525,9 +530,10 @@ class PredictSession:
     ``feed_names`` are the inputs the source feeds, in order: the model's inputs, then the kept
     columns that are not model inputs. :meth:`get_inputs` declares the model's inputs as the model
     does (so chunks are validated against them), except that a fixed batch dimension is declared
-    free, and the kept columns as unconstrained (any dtype and rank: ids, paths). In the enqueuer
-    thread :meth:`prepare_batch` wraps the model's inputs as OrtValues (padding a short last batch
-    up to a fixed batch dimension); in the consumer thread :meth:`run_batch` binds them and the
+    free, and the kept columns as unconstrained (any dtype and rank: ids, paths). When a batch is
+    made (by whichever thread makes it, ahead of the consumer) :meth:`prepare_batch` wraps the
+    model's inputs as OrtValues (padding a short last batch up to a fixed batch dimension); in the
+    consumer thread :meth:`run_batch` binds them and the
     outputs, runs, and returns the written outputs, then the kept columns, then the row keys.
 
     Outputs are bound to buffers owned by the calling thread and reused run after run (re-made
@@ -597,7 +603,7 @@ class PredictSession:
         return arrays
 
     def prepare_batch(self, batch: PreparedBatch) -> None:
-        """In the enqueuer thread: the model inputs as OrtValues (zero-copy for contiguous arrays)."""
+        """When the batch is made: the model inputs as OrtValues (zero-copy for contiguous arrays)."""
         if self._bind:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
             batch.ortvalues = [from_numpy(np.ascontiguousarray(a)) for a in self._model_arrays(batch)]
