@@ -25,7 +25,9 @@ from .device import (
     SlotRing,
     copy_value,
     cuda_graph_enabled,
+    default_providers,
     parse_device,
+    providers_for,
     resolve,
     session_placement,
 )
@@ -684,14 +686,17 @@ def _onnx_file_inputs(path: str, names: Sequence[str]) -> Dict[str, _Arg]:
 
 
 # ---- batch inference (feeder.predict) -----------------------------------------------------------
-def load_session(path: str) -> Any:
-    """An InferenceSession on the CPU with one intra-op thread: ``feeder.predict`` scales with
-    replicas (one consumer thread each), not with ONNX Runtime's spinning thread pool."""
+def load_session(path: str, providers: Any = None) -> Any:
+    """An InferenceSession with one intra-op thread: ``feeder.predict`` scales with replicas (one
+    consumer thread each), not with ONNX Runtime's spinning thread pool. ``providers``: as
+    :func:`feeder.device.providers_for` takes them (None: the CUDA provider where installed, else
+    the CPU; see :func:`feeder.device.default_providers`)."""
     ort = import_onnxruntime()
+    chosen = providers_for(providers)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
-    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path, opts, providers=chosen if chosen is not None else default_providers())
 
 
 def model_signature(session: Any) -> Dict[str, Any]:

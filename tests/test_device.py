@@ -333,3 +333,63 @@ def test_stateful_session_staged_gives_the_cpu_losses_and_weights(coord):
     for name in s0:
         np.testing.assert_array_equal(s0[name], s1[name])
 
+
+# ---- providers everywhere ------------------------------------------------------------------------------
+NO_CUDA = "CUDAExecutionProvider" not in feeder.device.available_providers()
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _env():
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="CUDA is installed here: nothing is refused")
+def test_predict_refuses_a_provider_that_is_not_installed_before_writing_anything(tmp_path):
+    pytest.importorskip("pyarrow")
+    from feeder.sources import ArraySource
+
+    n = 300
+    x = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(linear_model())
+    for providers in ("cuda", "cuda:1", ["TensorrtExecutionProvider", "CPUExecutionProvider"]):
+        with pytest.raises(ValueError, match="is not available in the installed onnxruntime") as e:
+            feeder.predict(str(model), ArraySource({"x": x, "id": np.arange(n)}), tmp_path / "out", keep=["id"],
+                           providers=providers, progress=False)
+        assert "onnxruntime-gpu" in str(e.value) and "CPUExecutionProvider" in str(e.value)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="applies to a model given as a path"):
+        feeder.predict(session(linear_model()), ArraySource({"x": x, "id": np.arange(n)}), tmp_path / "out",
+                       keep=["id"], providers="cpu", progress=False)
+    result = feeder.predict(str(model), ArraySource({"x": x, "id": np.arange(n)}), tmp_path / "out", keep=["id"],
+                            providers="cpu", batch_size=32, progress=False)
+    assert result.rows == n
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="CUDA is installed here: nothing is refused")
+def test_the_command_lines_take_a_provider_and_refuse_a_missing_one_in_one_line(tmp_path):
+    import subprocess
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    n = 200
+    x = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 4),
+                             "id": pa.array(np.arange(n))}), str(tmp_path / "in.parquet"))
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    base = [sys.executable, "-m", "feeder", "predict", str(tmp_path / "m.onnx"), str(tmp_path / "in.parquet"),
+            str(tmp_path / "out"), "--keep", "id", "--no-progress"]
+    bad = subprocess.run(base + ["--provider", "cuda"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.count("\n") == 1 and "onnxruntime-gpu" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "out").exists()
+    good = subprocess.run(base + ["--provider", "cpu"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert good.returncode == 0 and good.stdout.startswith(f"{n} rows written"), good.stderr
+    bench = subprocess.run([sys.executable, "-m", "feeder", "bench", str(ROOT / "tests" / "utils.py") + ":ones4",
+                            "--model", str(tmp_path / "m.onnx"), "--provider", "cuda", "--seconds", "0.1"],
+                           capture_output=True, text=True, env=_env(), timeout=120)
+    assert bench.returncode == 2 and "onnxruntime-gpu" in bench.stderr, bench.stderr

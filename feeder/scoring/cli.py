@@ -3,7 +3,8 @@
 Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
-                   [--threads N] [--replicas N] [--rows-per-file N] [--overwrite] [--no-progress]
+                   [--threads N] [--replicas N] [--rows-per-file N] [--provider cpu|cuda|cuda:N]
+                   [--overwrite] [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
 inputs plus the kept ones (columns named like them). Prints one line: rows written, rows computed,
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="fetcher threads per replica (default 2)")
     p.add_argument("--replicas", type=int, default=None, help="threads running the model (default: one per core)")
     p.add_argument("--rows-per-file", type=int, default=262_144, help="rows per part file (default 262144)")
+    p.add_argument("--provider", default=None, metavar="cpu|cuda|cuda:N",
+                   help="where the model runs (default: the GPU where onnxruntime-gpu is installed, else the CPU)")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
@@ -54,7 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,
-                                overwrite=args.overwrite, progress=False if args.no_progress else None)
+                                overwrite=args.overwrite, progress=False if args.no_progress else None,
+                                providers=args.provider)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"feeder predict: error: {e}", file=sys.stderr)
         return 2

@@ -90,6 +90,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             overwrite: bool = False,
             progress: Optional[bool] = None,
             cast: bool = False,
+            providers: Any = None,
             _durable: bool = True) -> PredictResult:
     """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
     ``output``, every row exactly once even when a call is killed and called again.
@@ -105,8 +106,12 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     ``rows_per_file`` rows (the last fewer); rows are in no particular order (keep an id to join).
     ``overwrite=True`` starts afresh on an output of another source or model. ``progress``: a tqdm
     bar on stderr (None: when stderr is a terminal). ``cast=True`` converts safe dtype mismatches
-    of the model's inputs (as in ``init_data_input_workers``). ``_durable=False`` skips the fsyncs
-    and the per-part state (for benchmarks that measure what the commits cost; not crash-safe).
+    of the model's inputs (as in ``init_data_input_workers``). ``providers`` (for a model path):
+    where it runs, "cpu", "cuda", "cuda:N" or a list as ``onnxruntime.InferenceSession`` takes it
+    (None: the CUDA provider where the installed onnxruntime has it, else the CPU); a provider that
+    is not installed is a ValueError naming those that are, before anything is written.
+    ``_durable=False`` skips the fsyncs and the per-part state (for benchmarks that measure what
+    the commits cost; not crash-safe).
 
     Raises ValueError, before any row is computed, for a model input or kept input the source
     lacks, an output the model lacks, an output directory holding files that are not ours, an
@@ -121,7 +126,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
-    session, model_hash = _open_model(model)
+    session, model_hash = _open_model(model, providers)
     plan = _Plan.make(session, source, outputs, keep, batch_size)
     fingerprint = {**model_signature(session), "sha256": model_hash}
     options = {"outputs": plan.outputs, "keep": plan.keep}
@@ -194,14 +199,17 @@ def _cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _open_model(model: Any) -> Tuple[Any, Optional[str]]:
+def _open_model(model: Any, providers: Any = None) -> Tuple[Any, Optional[str]]:
     """(session, sha256 of the model's bytes when known)."""
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such ONNX model file: {path!r}")
         import_onnxruntime()
-        return load_session(path), _sha256_file(path)
+        return load_session(path, providers), _sha256_file(path)
+    if providers is not None:
+        raise ValueError("providers= applies to a model given as a path; a session runs where it was made "
+                         "(onnxruntime.InferenceSession(..., providers=...))")
     if isinstance(model, bytes) or not is_session(model) or not callable(getattr(model, "get_outputs", None)):
         raise TypeError(f"model must be a path to an ONNX file or an onnxruntime.InferenceSession, "
                         f"got {type(model).__name__}")
