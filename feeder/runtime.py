@@ -129,6 +129,7 @@ MAX_TEMPLATES = 64
 # few different output lists each reuse theirs; beyond this, the least recently made ring goes.
 MAX_OUTPUT_RINGS = 8
 OUTPUT_PLACES = ("host", "device")
+Template = Tuple[List[Tuple[int, ...]], List[np.dtype]]  # output shapes and dtypes, in output order
 STATEFUL_SLOTS = 6  # device slots of a StatefulSession (batches prepared ahead of its steps, all its feeds)
 
 
@@ -178,7 +179,8 @@ class Runner:
         self._want: List[str] = list(self._all_outputs)
         self._want_where = "host"
         self._bindings: Deque[Any] = deque()  # free IOBindings, handed back by consumers after a run
-        self._templates: Dict[Any, Optional[List[Tuple[Tuple[int, ...], np.dtype]]]] = {}
+        # (input shapes, output names) -> the outputs' (shapes, dtypes), learned from a run; None: ORT allocates
+        self._templates: Dict[Any, Optional[Template]] = {}
         self._bind_ahead = True  # False once the model showed output shapes that depend on the data
         # Output buffers: a ring per output list and input shapes, so that consumers asking for
         # different outputs do not start each other's ring afresh. Taken by whoever prepares a
@@ -248,7 +250,7 @@ class Runner:
             self.slots.close()
         self._bindings.clear()
 
-    def _take_outputs(self, key: Any, template: List[Tuple[Tuple[int, ...], np.dtype]]) -> List[np.ndarray]:
+    def _take_outputs(self, key: Any, template: "Template") -> List[np.ndarray]:
         """A set of output buffers for ``template`` that nobody holds (any thread may ask)."""
         with self._out_lock:
             ring = self._out_rings.get(key)
@@ -257,7 +259,7 @@ class Runner:
                     oldest = next(iter(self._out_rings))
                     self._dropped_allocations += self._out_rings.pop(oldest).allocations
                 ring = self._out_rings[key] = BufferRing(self._ring_size)
-            return ring.take([t[0] for t in template], [t[1] for t in template])
+            return ring.take(template[0], template[1])
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
         if self._custom:
@@ -297,17 +299,30 @@ class Runner:
         batch.output_names = names
         batch.output_where = where
         batch.outputs = None
-        template = self._templates.get((key, tuple(names))) if self._bind_ahead else None
+        tkey = (key, tuple(names))
+        template = self._templates.get(tkey) if self._bind_ahead else None
+        if where == "host" and not self._graph:  # the common case first
+            if template is None:
+                for name in names:
+                    binding.bind_output(name)
+                return
+            outs = self._take_outputs(tkey, template)
+            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+            for name, buf in zip(names, outs):
+                binding.bind_ortvalue_output(name, from_numpy(buf))
+            batch.outputs = outs
+            return
         slot = batch.slot
         if self._graph and slot is not None and slot.index >= 0 and template is not None:
             fixed = slot.outputs.get(tuple(names))
             if fixed is None:
                 assert self.slots is not None
-                fixed = slot.outputs[tuple(names)] = [self.slots.memory.device_value(t[0], t[1]) for t in template]
+                fixed = slot.outputs[tuple(names)] = [self.slots.memory.device_value(shape, dtype)
+                                                      for shape, dtype in zip(*template)]
             for name, value in zip(names, fixed):
                 binding.bind_ortvalue_output(name, value)
             if where == "host":
-                batch.outputs = self._take_outputs((key, tuple(names)), template)
+                batch.outputs = self._take_outputs(tkey, template)
             return
         if where == "device":
             for name in names:
@@ -317,7 +332,7 @@ class Runner:
             for name in names:
                 binding.bind_output(name)
             return
-        outs = self._take_outputs((key, tuple(names)), template)
+        outs = self._take_outputs(tkey, template)
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         for name, buf in zip(names, outs):
             binding.bind_ortvalue_output(name, from_numpy(buf))
@@ -348,7 +363,7 @@ class Runner:
         slot = batch.slot
         try:
             options = run_options
-            if self._graph and slot is not None:
+            if slot is not None and self._graph:
                 options = self._graph_options(slot, run_options, batch)
             try:
                 self.session.run_with_iobinding(binding, options)
@@ -360,6 +375,9 @@ class Runner:
                 self._bind_outputs(binding, batch, batch.output_names or self._all_outputs, batch.shape_key,
                                    batch.output_where)
                 self.session.run_with_iobinding(binding, options)
+            bound = batch.outputs
+            if bound is not None and not self._graph:  # host buffers bound ahead: the common case
+                return list(bound)
             return self._outputs(binding, batch)
         finally:
             batch.binding = None
@@ -420,7 +438,7 @@ class Runner:
         if key in self._templates or not self._bind_ahead or len(self._templates) >= MAX_TEMPLATES:
             return
         if all(isinstance(o, np.ndarray) and o.dtype.kind in "biufc" for o in outputs):
-            self._templates[key] = [(tuple(o.shape), o.dtype) for o in outputs]
+            self._templates[key] = ([tuple(o.shape) for o in outputs], [o.dtype for o in outputs])
         else:  # strings, sequences, maps: ORT allocates them
             self._templates[key] = None
 
