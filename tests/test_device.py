@@ -303,6 +303,10 @@ def test_worker_processes_feed_the_device_path(coord, mode):
         assert (a[:, 1] == a[:, 0]).all()  # Sharded's x repeats the id in every column
         seen.extend(a[:, 0].astype(int).tolist())
     assert sorted(seen) == list(range(n))
+    if mode == "processes":
+        # Children cut whole batches: each goes from its shared-memory slot to the device with no
+        # host copy in the parent; only the two children's last pieces were joined (one copy).
+        assert feed._rebatcher.copied_batches <= 1 and feed._rebatcher.zero_copy_batches >= n // 16 - 2
 
 
 def test_stateful_session_staged_gives_the_cpu_losses_and_weights(coord):
