@@ -9,12 +9,13 @@ module takes from it:
 
 * ``OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", id)`` allocates device memory once;
   ``OrtValue.update_inplace(array)`` copies a host array into it (the address never changes, which
-  is what ``enable_cuda_graph`` needs). The binding holds the GIL for the whole copy, a
-  ``cudaMemcpy`` on the legacy default stream: the copy of batch n+1 overlaps the run of batch n
+  is what ``enable_cuda_graph`` needs). As the binding's source reads, it holds the GIL for the
+  whole copy, a ``cudaMemcpy`` on the legacy default stream (``benchmarks/gpu.py --probe``
+  measures it): the copy of batch n+1 overlaps the run of batch n
   (which runs on the provider's own stream, with the GIL released) only because another thread
   makes it, and it delays the consumer's Python between runs by as long as it holds the GIL. So
   the copy should be short: from pinned host memory (51.5 GB/s on the H200 against 12.7 from
-  pageable memory, FACTS.md), which is why batches the rebatcher assembles are assembled in
+  pageable memory, see docs/gpu.md), which is why batches the rebatcher assembles are assembled in
   pinned memory (:class:`DeviceMemory.host_array`) and copied from there.
 * Pinned host memory: the Python API has no "cuda_pinned" device any more (1.32 knows cpu, cuda,
   cann, dml, webgpu, gpu, npu); ``ortvalue_from_shape_and_type(..., memory_info=...)`` takes the

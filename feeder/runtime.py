@@ -480,7 +480,9 @@ class StatefulSession:
     whichever thread makes it) into device buffers allocated once and reused (a few slots, each
     free again once its step has run), from staging memory the rebatcher assembles them in
     (pinned on a GPU). "cpu:staged" runs that path with host memory standing in for the device.
-    A device the installed onnxruntime lacks is a ValueError naming the package to install.
+    The slots (``STATEFUL_SLOTS``, shared by every feed of the adapter) live as long as the adapter,
+    as its state does. A device the installed onnxruntime lacks is a ValueError naming the package
+    to install.
     """
 
     def __init__(self, session: Any, state: Mapping[str, str],
