@@ -11,6 +11,7 @@ import numpy as np
 
 from .chunkqueue import ChunkQueue
 from .coordinator import GlobalCoordinator, global_coordinator
+from .device import CPU, Placement, parse_device, resolve
 from .feed import Feed, check_batch_size
 from .processes.parent import ProcessOptions, get_context
 from .processes.sending import check_sendable
@@ -78,6 +79,7 @@ def init_data_input_workers(
     mp_context: Any = None,
     worker_init_fun: Optional[Callable[[int], Any]] = None,
     seed: Optional[int] = None,
+    device: Optional[str] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -140,6 +142,13 @@ def init_data_input_workers(
             first fetch.
         seed: Each worker process seeds ``random`` and numpy's global generator from ``(seed,
             worker_id)``; None draws a fresh base seed at each ``start()``.
+        device: Where batches go before ``feed.run()`` runs them: None, the session's device
+            (its first provider and that provider's ``device_id``); ``"cpu"`` the host path for
+            any session; ``"cuda"`` or ``"cuda:N"`` a session on the CUDA provider: each batch
+            is copied to the device when it is made, into device buffers allocated once and
+            reused, so that the copy of the next batch overlaps the run of this one (see the
+            guide, "GPUs"); ``"cpu:staged"`` that device path with host memory standing in for
+            the device (to test it without a GPU).
 
     Returns:
         The coordinator the feed was registered on (the same object every time): call
@@ -150,7 +159,8 @@ def init_data_input_workers(
             ``worker_init_fun`` that cannot be sent to worker processes, naming what failed.
         ValueError: An argument out of range, naming it; a ``batch_size`` that contradicts a
             fixed batch dimension of the session; a ``resume_from`` state of another source
-            definition; a column a source lacks.
+            definition; a column a source lacks; a device or provider the installed onnxruntime
+            lacks (naming those it has and the package to install).
     """
     coord = global_coordinator if coordinator is None else coordinator
     if not isinstance(coord, GlobalCoordinator):
@@ -208,6 +218,7 @@ def init_data_input_workers(
     if session is not None and not is_session(session):
         raise TypeError(f"session must be an onnxruntime.InferenceSession, a training session adapter or None, "
                         f"got {type(session).__name__}")
+    placement = _placement(session, device)
     session_specs = input_specs(session) if session is not None else None
     names = _input_names(input_names, session_specs)
     specs = _specs_for(names, session_specs)
@@ -250,12 +261,25 @@ def init_data_input_workers(
                     batch_axes=axes, fetch_fun=fetch_fun, batch_size=batch_size, worker_ids=worker_ids,
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
-                    max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes)
+                    max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
+                    placement=placement)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,
                     ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from)
     return coord
+
+
+def _placement(session: Any, device: Any) -> Placement:
+    """Where the feed's batches go (feeder.device); ValueError for a device that cannot be had."""
+    asked = parse_device(device)  # TypeError / ValueError for what is not a device at all
+    if session is None or callable(getattr(session, "run_batch", None)):
+        if asked is not None and asked != CPU:
+            what = "a feed without a session" if session is None else \
+                f"a session adapter ({type(session).__name__}): give the adapter its own (StatefulSession(device=...))"
+            raise ValueError(f"device={device!r} does not apply to {what}")
+        return CPU
+    return resolve(session, device)
 
 
 def _loggers(external_loggers: Optional[Sequence[Any]]) -> List[Any]:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    feeder bench MODULE:FETCH_FUN [--model PATH] [--batch-size N] [--seconds S] [--json]
+    feeder bench MODULE:FETCH_FUN [--model PATH] [--batch-size N] [--seconds S] [--provider cpu|cuda|cuda:N] [--json]
     python -m feeder bench examples/quickstart.py:fetch --seconds 2
 
 ``MODULE`` is a module name importable from the current directory (``mypkg.data``) or a
@@ -324,13 +324,18 @@ def measure_model(session: Any, batches: Sequence[Dict[str, Any]], seconds: floa
     return res
 
 
-def make_session(model: str) -> Any:
+def make_session(model: str, provider: Optional[str] = None) -> Any:
+    """The model's session, one intra-op thread, on ``provider`` ("cpu", "cuda", "cuda:N"; None:
+    the GPU where onnxruntime-gpu is installed, else the CPU)."""
     import onnxruntime as ort
 
+    from .device import default_providers, providers_for
+
+    providers = providers_for(provider)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1  # leave the other cores to the fetchers (see README)
     opts.inter_op_num_threads = 1
-    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, opts, providers=providers if providers is not None else default_providers())
 
 
 def worker_counts(cpus: Optional[int] = None) -> List[int]:
@@ -340,12 +345,13 @@ def worker_counts(cpus: Optional[int] = None) -> List[int]:
 
 def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int = 64, seconds: float = 3.0,
               workers: Optional[Sequence[int]] = None, processes: Optional[bool] = None,
-              progress: Optional[Callable[[str], None]] = None) -> List[Result]:
-    """Every configuration in turn (see the module docstring); returns one Result per line."""
+              progress: Optional[Callable[[str], None]] = None, provider: Optional[str] = None) -> List[Result]:
+    """Every configuration in turn (see the module docstring); returns one Result per line.
+    ``provider``: where the model runs ("cpu", "cuda", "cuda:N"; None: the GPU where installed)."""
     counts = list(workers) if workers is not None else worker_counts()
     processes = supports_processes() if processes is None else processes
     say = progress or (lambda msg: None)
-    session = make_session(model) if model else None
+    session = make_session(model, provider) if model else None
     model_names = [i.name for i in session.get_inputs()] if session is not None else None
 
     say("fetch alone")
@@ -420,6 +426,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per configuration (default 3)")
     parser.add_argument("--workers", type=int, default=None,
                         help=f"measure 1..N fetchers (default: CPU count, at most {MAX_WORKERS})")
+    parser.add_argument("--provider", default=None, metavar="cpu|cuda|cuda:N",
+                        help="where the model runs (default: the GPU where onnxruntime-gpu is installed, else the CPU)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -432,10 +440,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fetch = load_fetch(args.fetch)
     except Exception as e:
         parser.error(f"cannot load {args.fetch}: {type(e).__name__}: {e}")
+    if args.provider is not None:
+        from .device import providers_for
+
+        try:
+            providers_for(args.provider)
+        except (ValueError, TypeError) as e:
+            parser.error(f"--provider {args.provider}: {e}")
     counts = worker_counts(args.workers) if args.workers else None
     quiet = args.json or not sys.stderr.isatty()
     results = run_bench(fetch, model=args.model, batch_size=args.batch_size, seconds=args.seconds, workers=counts,
-                        progress=None if quiet else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr)))
+                        progress=None if quiet else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr)),
+                        provider=args.provider)
     print(to_json(results) if args.json else format_table(results))
     if not supports_processes():
         print("(worker processes: not available in this feeder version)", file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .chunkqueue import CLOSED, END, Chunk, ChunkQueue
+from .device import Placement
 from .diagnosis import StageTimes
 from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .feedstats import FeedStats
@@ -41,6 +42,7 @@ log = logging.getLogger("feeder")
 # So the depth is what fits READY_BYTES, between 1 and READY_MAX (benchmarks/compare.py a, b).
 READY_MAX = 4
 READY_BYTES = 4 * 2**20
+DEVICE_READY = 2  # on a device, at least this many prepared batches: their bytes are in device slots, not in cache
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
 DISCARD_LOCK_S = 1.0  # stop waits at most this long for a thread in the middle of rebatching (seconds)
 
@@ -84,7 +86,8 @@ class Feed:
                  batch_size: int, worker_ids: Sequence[int], init_fun: Optional[Callable[..., Any]],
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
-                 resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None):
+                 resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
+                 placement: Optional[Placement] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -119,13 +122,17 @@ class Feed:
                      "would stall the round-robin)", source.name, len(self.worker_ids))
         self._specs = list(specs)
         self._validate = validator  # the source's, shared by its replicas
-        self._runner = Runner(session, self.input_names) if session is not None else None
+        self._runner = Runner(session, self.input_names, placement=placement) if session is not None else None
+        # On a device, batches live in device slots until run; the ready queue may hold two of them
+        # whatever their size (the copy of the next overlaps the run of this one).
+        self._on_device = self._runner is not None and self._runner.slots is not None
 
         self._stop = threading.Event()
         self._ready = ReadyQueue(1)  # sized by the first batch, see ready_depth
         if self._keyed and source.row_keys is not None:
             self._ready.on_pop = source.row_keys.record
-        self._ring = BufferRing(READY_MAX + 2)
+        # Batches the rebatcher assembles: in staging memory the device copies from fast, on a device.
+        self._ring = BufferRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
         self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         # One interface for both ways of fetching (feeder.fetchers, feeder.processes.parent).
         self._fetchers: Any
@@ -241,6 +248,8 @@ class Feed:
         """At stop, once its threads were joined: release what the fetchers hold of the system
         (worker processes, shared memory, descriptors) now, not when the garbage collector runs."""
         self._fetchers.close()
+        if self._runner is not None:
+            self._runner.close()  # device slots: freed once no running batch refers to them
 
     def _threads(self) -> List[threading.Thread]:
         threads = list(self._fetchers.threads())
@@ -391,16 +400,38 @@ class Feed:
             batch.keys = keys
             batch.nbytes += keys.nbytes  # the source counted them in; delivery must count them out
         if self._runner is not None:
-            self._runner.prepare(batch)
+            try:
+                self._runner.prepare(batch)
+            except Exception as e:
+                self._prepare_failed(batch, e)
+                return False
         self._batches_made += 1
         if not self._put_ready(batch):
             return False
         self._inflight_rows = 0
         return True
 
+    def _prepare_failed(self, batch: PreparedBatch, e: Exception) -> None:
+        """The session's preparation of a batch raised (a custom adapter's ``prepare_batch``, or
+        binding it for the runtime). Whichever thread was moving batches on (the enqueuer, a
+        producer's or a consumer's pump) must not be the only one to hear of it while the feed goes
+        on without the batch: the source fails, sticky, like any failure, and the batch's rows are
+        booked as discarded, so the ledger still balances."""
+        rows = batch.rows
+        self._inflight_rows = 0
+        self._rows_discarded += rows
+        self.source.discarded(rows, fetched=False)
+        what = "prepare_batch" if callable(getattr(self.session, "prepare_batch", None)) else "preparing a batch"
+        self.source.fail(Failure(FeederError(
+            f"source {self.input_source_name!r}: the session's {what} raised {type(e).__name__}: {e} "
+            f"(on a batch of {rows} rows, in thread {threading.current_thread().name!r}); the source has failed"), e))
+        log.error("source %r: the session's %s raised; the source has failed", self.input_source_name, what,
+                  exc_info=e)
+
     def _put_ready(self, item: Any) -> bool:
         if self._batches_made == 1 and isinstance(item, PreparedBatch):
-            self._ready.maxsize = ready_depth(item.nbytes)  # read by put() under the queue's lock
+            depth = ready_depth(item.nbytes)
+            self._ready.maxsize = max(depth, DEVICE_READY) if self._on_device else depth  # read by put() under its lock
             self._ring.size = self._ready.maxsize + 2
             if self._runner is not None:  # output buffers: those ready, one being run, one the caller holds
                 self._runner.ring_size = self._ready.maxsize + 3
@@ -548,22 +579,30 @@ class Feed:
         """
         batch, start, now = self._next_prepared(timeout)
         self.counters.took(batch.rows, batch.nbytes, now - start, start, now)
+        if batch.slot is not None:
+            batch.release()  # handed out as host arrays: its device copy is not needed
         return batch.as_dict()
 
-    def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None) -> List[Any]:
+    def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None, *,
+            outputs: str = "host") -> List[Any]:
         """Run the session on the next batch and return its outputs.
 
-        The batch's OrtValues, and with IOBinding its binding, were prepared before the call, so
-        the call takes the next prepared batch and runs the session (for a training adapter: one
-        training step). Waits at most the registration's ``timeout`` for a batch.
+        The batch's OrtValues, and with IOBinding its binding, were prepared before the call (on
+        a device, already copied there), so the call takes the next prepared batch and runs the
+        session (for a training adapter: one training step). Waits at most the registration's
+        ``timeout`` for a batch.
 
         Args:
             output_names: The session outputs to return, in that order; None: every output, in
                 the session's order.
             run_options: An ``onnxruntime.RunOptions`` for this run, or None.
+            outputs: ``"host"`` (default): numpy arrays, in buffers reused once you drop them;
+                ``"device"``: ``onnxruntime.OrtValue``s on the session's device (a GPU's memory
+                for a CUDA session), yours to keep: nothing reuses them.
 
         Returns:
-            The outputs as numpy arrays, in the order asked for.
+            One output per name, in the order asked for: numpy arrays (``outputs="host"``) or
+            OrtValues.
 
         Raises:
             FeederError: The feed has no session (registered with ``session=None``), or was
@@ -572,14 +611,18 @@ class Feed:
             StopIteration: The finite source has ended.
             FetchError: A fetch failed; ``InputValidationError``, ``FeedStopped`` as for
                 :meth:`next_batch`.
+            ValueError: ``outputs`` is neither "host" nor "device", or "device" for a session
+                whose outputs come back as numpy only (a training adapter, string inputs).
         """
         runner = self._runner
         if runner is None:
             raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "
                               f"use next_batch() or iterate over it")
+        if outputs != "host" and (outputs != "device" or not runner.device_outputs):
+            runner.check_outputs(outputs)
         batch, start, t0 = self._next_prepared(None)
         try:
-            return runner.run(batch, output_names, run_options)
+            return runner.run(batch, output_names, run_options, outputs)
         finally:
             self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, time.monotonic())
 

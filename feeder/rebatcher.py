@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from typing import Any, Deque, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -93,13 +93,20 @@ class BufferRing:
     left to its holder and a fresh one takes its slot. So a batch stays valid for as long
     as it is referenced, and a consumer that drops each batch before taking the next (the
     steady state of ``feed.run()`` and of most loops) allocates nothing.
-    Changing shapes or dtypes (a new batch size) starts a new ring.
+    Changing shapes or dtypes (a new batch size) starts a new ring. ``allocate(shape, dtype)``
+    makes the buffers (default ``np.empty``; a device feed's: staging memory the device copies
+    from fast, see ``feeder.device``).
+
+    Not thread-safe (pure logic, like the rest of this module): one thread at a time may call
+    :meth:`take`. The feed's ring is used under its pump lock; the runtime's output rings under
+    their own lock (``feeder.runtime.Runner``).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, allocate: Optional[Callable[[Tuple[int, ...], Any], np.ndarray]] = None):
         if size < 1:
             raise ValueError(f"ring size must be >= 1, got {size}")
         self.size = size
+        self._alloc = allocate if allocate is not None else np.empty  # (shape, dtype) -> array
         self._key: Optional[Tuple[Any, ...]] = None
         self._sets: List[List[np.ndarray]] = []
         self._last = 0  # the slot handed out last
@@ -118,7 +125,7 @@ class BufferRing:
 
     def _allocate(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]) -> List[np.ndarray]:
         self.allocations += 1
-        return [np.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+        return [self._alloc(s, d) for s, d in zip(shapes, dtypes)]
 
     def take(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]) -> List[np.ndarray]:
         """A buffer set of these shapes and dtypes that nobody else references."""

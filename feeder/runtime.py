@@ -14,10 +14,23 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .device import (
+    CPU,
+    DeviceMemory,
+    Placement,
+    SlotRing,
+    copy_value,
+    cuda_graph_enabled,
+    default_providers,
+    parse_device,
+    providers_for,
+    resolve,
+    session_placement,
+)
 from .errors import FeederError
 from .rebatcher import BufferRing
 from .validation import InputSpec
@@ -75,10 +88,11 @@ def output_names(session: Any) -> List[str]:
 class PreparedBatch:
     """A batch ready for the runtime: the numpy arrays and, for IOBinding, their OrtValues and an
     IOBinding with them bound (``binding``), with its outputs bound to reused buffers
-    (``outputs``) once their shapes are known (see :class:`Runner`)."""
+    (``outputs``) once their shapes are known (see :class:`Runner`). On a device feed, ``slot`` is
+    the device slot (``feeder.device.Slot``) the batch was copied into, busy until it was run."""
 
     __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
-                 "shape_key")
+                 "output_where", "shape_key", "slot")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
                  ortvalues: Optional[List[Any]] = None):
@@ -91,10 +105,18 @@ class PreparedBatch:
         self.binding: Any = None                # an IOBinding with this batch bound (Runner.prepare)
         self.outputs: Optional[List[np.ndarray]] = None  # the buffers its outputs are bound to, if any
         self.output_names: Optional[List[str]] = None    # the outputs bound
+        self.output_where = "host"              # where they are bound: "host" buffers or "device" values
         self.shape_key: Any = None              # the input shapes: what the output shapes were learned for
+        self.slot: Any = None                   # its device slot (feeder.device.Slot), on a device feed
 
     def as_dict(self) -> Dict[str, np.ndarray]:
         return dict(zip(self.names, self.arrays))
+
+    def release(self) -> None:
+        """Give its device slot back (after its run, or when it is handed out without one)."""
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            slot.release()
 
 
 # ONNX Runtime's words for a preallocated output of the wrong shape: the outputs of this model
@@ -103,12 +125,20 @@ _SHAPE_MISMATCH = ("shape mismatch", "re-use buffer", "reuse buffer")
 # Input shapes whose output shapes a Runner remembers: batches of one size (and a short last one)
 # need a few; chunks passed on as they come (dont_rebatch) of ever new sizes must not grow it forever.
 MAX_TEMPLATES = 64
+# Output lists (and input shapes) whose buffer rings a Runner keeps at once: consumers asking for a
+# few different output lists each reuse theirs; beyond this, the least recently made ring goes.
+MAX_OUTPUT_RINGS = 8
+OUTPUT_PLACES = ("host", "device")
+Template = Tuple[List[Tuple[int, ...]], List[np.dtype]]  # output shapes and dtypes, in output order
+STATEFUL_SLOTS = 6  # device slots of a StatefulSession (batches prepared ahead of its steps, all its feeds)
 
 
 class Runner:
     """Runs batches through one session for one feed.
 
-    ``prepare`` runs in the enqueuer thread, ahead of the consumer: OrtValues wrap the batch's
+    ``prepare`` runs when a batch is made, ahead of the consumer, in whichever thread moves
+    batches into the feed's ready queue (the enqueuer, a producer's pump or a consumer that found
+    nothing ready; always under the feed's pump lock, one batch at a time): OrtValues wrap the batch's
     arrays (no copy) and, for an InferenceSession, an IOBinding from a small pool gets them bound,
     with every output bound too: to buffers of a reused ring (``BufferRing``: a buffer set is
     reused once nobody holds the arrays ``run`` returned from it) when the output shapes for these
@@ -119,12 +149,24 @@ class Runner:
     refuses a bound buffer) has its outputs allocated by ONNX Runtime from then on. An IOBinding is
     used by one thread at a time (handed over with its batch; two threads on one IOBinding crash).
 
+    On a device (``placement.on_device``: a session on a GPU provider, or ``device="cpu:staged"``)
+    ``prepare`` copies the batch into a device slot (``feeder.device.SlotRing``) whose IOBinding has
+    its inputs bound once, so the consumer's run finds its inputs on the device at addresses that
+    do not change from run to run; the slot is given back once the run has returned. Batches the
+    rebatcher assembles are assembled in the slots' staging memory (:attr:`host_allocator`: pinned
+    on a GPU), so each byte is still copied once on the host. With ``enable_cuda_graph`` each slot
+    runs its own CUDA graph (``gpu_graph_id`` = its index), its outputs bound to device buffers of
+    its own; a batch of other shapes (the short last one) runs without a graph.
+
     Sessions that are not InferenceSessions (training adapters) implement
     ``run_batch(batch: PreparedBatch, output_names, run_options) -> list`` themselves, and
-    optionally ``prepare_batch(batch)`` (run in the enqueuer thread).
+    optionally ``prepare_batch(batch)``, called as ``prepare`` is (in any thread, under the feed's
+    pump lock, one batch at a time, in batch order). An exception from it fails the source
+    (``Feed._prepare_failed``).
     """
 
-    def __init__(self, session: Any, input_names: Sequence[str], ring_size: int = 6):
+    def __init__(self, session: Any, input_names: Sequence[str], ring_size: int = 6,
+                 placement: Optional[Placement] = None):
         self.session = session
         self.input_names = list(input_names)
         self._custom = callable(getattr(session, "run_batch", None))
@@ -133,20 +175,91 @@ class Runner:
                              and not any(specs[n].is_string for n in self.input_names if n in specs))
         self._ort: Any = import_onnxruntime() if self._use_binding else None
         self._all_outputs: List[str] = [] if self._custom else output_names(session)
-        # What the consumer last asked for: the enqueuer binds these outputs ahead.
+        # What the consumer last asked for: the enqueuer binds these outputs ahead, in this place.
         self._want: List[str] = list(self._all_outputs)
+        self._want_where = "host"
         self._bindings: Deque[Any] = deque()  # free IOBindings, handed back by consumers after a run
-        self._templates: Dict[Any, Optional[List[Tuple[Tuple[int, ...], np.dtype]]]] = {}
+        # (input shapes, output names) -> the outputs' (shapes, dtypes), learned from a run; None: ORT allocates
+        self._templates: Dict[Any, Optional[Template]] = {}
         self._bind_ahead = True  # False once the model showed output shapes that depend on the data
-        self._out_ring = BufferRing(ring_size)
+        # Output buffers: a ring per output list and input shapes, so that consumers asking for
+        # different outputs do not start each other's ring afresh. Taken by whoever prepares a
+        # batch (under the feed's pump lock) and by a consumer rebinding other outputs (no lock):
+        # a BufferRing is not thread-safe, so every take holds this lock.
+        self._ring_size = ring_size
+        self._out_rings: Dict[Any, BufferRing] = {}
+        self._out_lock = threading.Lock()
+        self._dropped_allocations = 0  # those of rings dropped (output_allocations)
+        self.placement = placement if placement is not None else CPU
+        self.slots: Optional[SlotRing] = None
+        self._graph = False
+        if self._use_binding and self.placement.on_device:
+            memory = DeviceMemory(self.placement, self._ort)
+            self.slots = SlotRing(memory, self.input_names, ring_size, make_binding=session.io_binding)
+            self._graph = cuda_graph_enabled(session)
+        self._out_device = (self.slots.memory.device_type if self.slots is not None else "cpu",
+                            self.placement.index)
 
     @property
     def ring_size(self) -> int:
-        return self._out_ring.size
+        return self._ring_size
 
     @ring_size.setter
     def ring_size(self, size: int) -> None:
-        self._out_ring.size = size
+        with self._out_lock:
+            self._ring_size = size
+            for ring in self._out_rings.values():
+                ring.size = size
+        if self.slots is not None:
+            self.slots.size = size
+
+    @property
+    def host_allocator(self) -> Optional[Callable[[Tuple[int, ...], Any], np.ndarray]]:
+        """Where the feed's rebatcher should assemble batches: memory the device copies from fast
+        (None: ordinary memory). A custom adapter may offer its own (``host_allocator``)."""
+        if self.slots is not None:
+            return self.slots.memory.host_array
+        alloc = getattr(self.session, "host_allocator", None) if self._custom else None
+        return alloc if callable(alloc) else None
+
+    @property
+    def device_outputs(self) -> bool:
+        """Whether ``run(..., outputs="device")`` can return OrtValues (an InferenceSession bound
+        through IOBinding); training adapters and string inputs return numpy only."""
+        return not self._custom and self._use_binding
+
+    def check_outputs(self, outputs: str) -> None:
+        """ValueError for an ``outputs`` this runner cannot give."""
+        if outputs not in OUTPUT_PLACES:
+            raise ValueError(f"outputs must be 'host' or 'device', got {outputs!r}")
+        if outputs == "device" and not self.device_outputs:
+            raise ValueError("outputs='device': this session's outputs come back as numpy arrays only "
+                             "(outputs='host'); 'device' needs an onnxruntime.InferenceSession with numeric inputs")
+
+    @property
+    def output_allocations(self) -> int:
+        """Output buffer sets allocated so far (a consumer that drops its outputs before its next
+        run lets them be reused: steady state allocates none)."""
+        with self._out_lock:
+            return self._dropped_allocations + sum(r.allocations for r in self._out_rings.values())
+
+    def close(self) -> None:
+        """At stop: let go of the device slots and pooled bindings (device memory is freed once no
+        batch a consumer still runs refers to it)."""
+        if self.slots is not None:
+            self.slots.close()
+        self._bindings.clear()
+
+    def _take_outputs(self, key: Any, template: "Template") -> List[np.ndarray]:
+        """A set of output buffers for ``template`` that nobody holds (any thread may ask)."""
+        with self._out_lock:
+            ring = self._out_rings.get(key)
+            if ring is None:
+                if len(self._out_rings) >= MAX_OUTPUT_RINGS:  # the oldest goes; its holders keep theirs
+                    oldest = next(iter(self._out_rings))
+                    self._dropped_allocations += self._out_rings.pop(oldest).allocations
+                ring = self._out_rings[key] = BufferRing(self._ring_size)
+            return ring.take(template[0], template[1])
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
         if self._custom:
@@ -154,68 +267,170 @@ class Runner:
             if prepare is not None:
                 prepare(batch)
         elif self._use_binding:
-            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
             arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in batch.arrays]
-            batch.ortvalues = [from_numpy(a) for a in arrays]
-            try:
-                binding = self._bindings.popleft()
-            except IndexError:
-                binding = self.session.io_binding()
-            for name, ov in zip(batch.names, batch.ortvalues):
-                binding.bind_ortvalue_input(name, ov)
+            slots = self.slots
+            if slots is None:
+                from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+                batch.ortvalues = [from_numpy(a) for a in arrays]
+                try:
+                    binding = self._bindings.popleft()
+                except IndexError:
+                    binding = self.session.io_binding()
+                for name, ov in zip(batch.names, batch.ortvalues):
+                    binding.bind_ortvalue_input(name, ov)
+            else:
+                slot = batch.slot = slots.place(arrays)  # the copy to the device, ahead of the run
+                batch.ortvalues = slot.inputs
+                binding = slot.binding
             key = batch.shape_key = tuple(a.shape for a in arrays)
-            self._bind_outputs(binding, batch, list(self._want), key)
+            try:
+                self._bind_outputs(binding, batch, list(self._want), key, self._want_where)
+            except BaseException:
+                batch.release()
+                raise
             batch.binding = binding
         return batch
 
-    def _bind_outputs(self, binding: Any, batch: PreparedBatch, names: List[str], key: Any) -> None:
-        """Bind ``names`` to reused buffers of the shapes learned for ``key``, or to ORT's allocator."""
+    def _bind_outputs(self, binding: Any, batch: PreparedBatch, names: List[str], key: Any, where: str) -> None:
+        """Bind ``names`` to reused buffers of the shapes learned for ``key``, or to ORT's allocator;
+        ``where="device"``: to values ONNX Runtime allocates on the device for this run alone (the
+        caller owns them). A slot running a CUDA graph has fixed device outputs of its own."""
         binding.clear_binding_outputs()
         batch.output_names = names
+        batch.output_where = where
         batch.outputs = None
-        template = self._templates.get((key, tuple(names))) if self._bind_ahead else None
+        tkey = (key, tuple(names))
+        template = self._templates.get(tkey) if self._bind_ahead else None
+        if where == "host" and not self._graph:  # the common case first
+            if template is None:
+                for name in names:
+                    binding.bind_output(name)
+                return
+            outs = self._take_outputs(tkey, template)
+            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+            for name, buf in zip(names, outs):
+                binding.bind_ortvalue_output(name, from_numpy(buf))
+            batch.outputs = outs
+            return
+        slot = batch.slot
+        if self._graph and slot is not None and slot.index >= 0 and template is not None:
+            fixed = slot.outputs.get(tuple(names))
+            if fixed is None:
+                assert self.slots is not None
+                fixed = slot.outputs[tuple(names)] = [self.slots.memory.device_value(shape, dtype)
+                                                      for shape, dtype in zip(*template)]
+            for name, value in zip(names, fixed):
+                binding.bind_ortvalue_output(name, value)
+            if where == "host":
+                batch.outputs = self._take_outputs(tkey, template)
+            return
+        if where == "device":
+            for name in names:
+                binding.bind_output(name, *self._out_device)
+            return
         if template is None:
             for name in names:
                 binding.bind_output(name)
             return
-        outs = self._out_ring.take([t[0] for t in template], [t[1] for t in template])
+        outs = self._take_outputs(tkey, template)
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         for name, buf in zip(names, outs):
             binding.bind_ortvalue_output(name, from_numpy(buf))
         batch.outputs = outs
 
-    def run(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
-        if self._custom:
-            return list(self.session.run_batch(batch, output_names, run_options))
-        if not self._use_binding:
+    def run(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any,
+            outputs: str = "host") -> List[Any]:
+        if self._custom or not self._use_binding:
+            if outputs != "host":
+                self.check_outputs(outputs)
+            if self._custom:
+                return list(self.session.run_batch(batch, output_names, run_options))
             names = list(output_names) if output_names is not None else self._all_outputs
             return list(self.session.run(names, batch.as_dict(), run_options))
         binding = batch.binding
         if binding is None:  # not prepared by an enqueuer (a batch made by hand)
             self.prepare(batch)
             binding = batch.binding
-        if output_names is not None and list(output_names) != batch.output_names:
-            names = list(output_names)
-            self._want = names  # batches prepared from now on bind these
-            self._bind_outputs(binding, batch, names, batch.shape_key)
+        # No names means every output, in the session's order, whatever an earlier call asked for.
+        asked = self._all_outputs if output_names is None else output_names
+        if asked != batch.output_names or outputs != batch.output_where:
+            names = list(asked)
+            if names != batch.output_names or outputs != batch.output_where:
+                if outputs not in OUTPUT_PLACES:
+                    self.check_outputs(outputs)
+                self._want, self._want_where = names, outputs  # batches prepared from now on bind these
+                self._bind_outputs(binding, batch, names, batch.shape_key, outputs)
+        slot = batch.slot
         try:
+            options = run_options
+            if slot is not None and self._graph:
+                options = self._graph_options(slot, run_options, batch)
             try:
-                self.session.run_with_iobinding(binding, run_options)
+                self.session.run_with_iobinding(binding, options)
             except Exception as e:
                 if batch.outputs is None or not any(w in str(e).lower() for w in _SHAPE_MISMATCH):
                     raise
                 # Output shapes that depend on the data: let ONNX Runtime allocate them from now on.
                 self._bind_ahead = False
-                self._bind_outputs(binding, batch, batch.output_names or self._all_outputs, batch.shape_key)
-                self.session.run_with_iobinding(binding, run_options)
-            outputs = batch.outputs
-            if outputs is None:
-                outputs = binding.copy_outputs_to_cpu()
-                self._learn(batch, outputs)
-            return list(outputs)
+                self._bind_outputs(binding, batch, batch.output_names or self._all_outputs, batch.shape_key,
+                                   batch.output_where)
+                self.session.run_with_iobinding(binding, options)
+            bound = batch.outputs
+            if bound is not None and not self._graph:  # host buffers bound ahead: the common case
+                return list(bound)
+            return self._outputs(binding, batch)
         finally:
             batch.binding = None
-            self._bindings.append(binding)  # for the enqueuer's next batch (it rebinds everything)
+            if slot is None:
+                self._bindings.append(binding)  # for the enqueuer's next batch (it rebinds everything)
+            else:
+                batch.release()  # the run has returned: nothing reads the slot's buffers any more
+
+    def _outputs(self, binding: Any, batch: PreparedBatch) -> List[Any]:
+        slot = batch.slot
+        fixed = slot.outputs.get(tuple(batch.output_names or ())) if self._graph and slot is not None else None
+        if fixed is not None:  # a CUDA graph's own outputs: copied out, the graph keeps its buffers
+            if batch.output_where == "device":
+                assert self.slots is not None
+                mem = self.slots.memory
+                got = []
+                for value in fixed:
+                    own = mem.device_value(tuple(value.shape()), _ORT_TYPES[value.data_type()])
+                    copy_value(value, own)
+                    got.append(own)
+                return got
+            outs = batch.outputs
+            assert outs is not None
+            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+            for buf, value in zip(outs, fixed):
+                copy_value(value, from_numpy(buf))
+            return list(outs)
+        if batch.output_where == "device":
+            got = binding.get_outputs()
+            binding.clear_binding_outputs()  # a next run of this binding must not write into what the caller owns
+            return list(got)
+        outputs = batch.outputs
+        if outputs is None:
+            outputs = binding.copy_outputs_to_cpu()
+            self._learn(batch, outputs)
+        return list(outputs)
+
+    def _graph_options(self, slot: Any, run_options: Any, batch: PreparedBatch) -> Any:
+        """Run options naming the slot's CUDA graph (-1, no graph, for a batch of its own or one
+        whose outputs are not bound to fixed buffers yet). The caller's own options get the entry."""
+        fixed = slot.index >= 0 and tuple(batch.output_names or ()) in slot.outputs
+        graph_id = str(slot.index if fixed else -1)
+        if run_options is not None:
+            run_options.add_run_config_entry("gpu_graph_id", graph_id)
+            return run_options
+        if not fixed:
+            options = self._ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", graph_id)
+            return options
+        if slot.run_options is None:
+            slot.run_options = self._ort.RunOptions()
+            slot.run_options.add_run_config_entry("gpu_graph_id", graph_id)
+        return slot.run_options
 
     def _learn(self, batch: PreparedBatch, outputs: List[Any]) -> None:
         """Remember the output shapes of these input shapes, so later batches bind buffers ahead."""
@@ -223,7 +438,7 @@ class Runner:
         if key in self._templates or not self._bind_ahead or len(self._templates) >= MAX_TEMPLATES:
             return
         if all(isinstance(o, np.ndarray) and o.dtype.kind in "biufc" for o in outputs):
-            self._templates[key] = [(tuple(o.shape), o.dtype) for o in outputs]
+            self._templates[key] = ([tuple(o.shape) for o in outputs], [o.dtype for o in outputs])
         else:  # strings, sequences, maps: ORT allocates them
             self._templates[key] = None
 
@@ -259,21 +474,28 @@ class StatefulSession:
     runs one step and returns what was asked (any non-state output, or a state output's new
     value). Steps are serialised by a lock, so several feeds may share one adapter.
 
-    ``device`` / ``device_id`` place the state and the batch OrtValues ("cpu", or "cuda" with a
-    CUDA provider); batches are moved there in the enqueuer thread.
+    ``device`` / ``device_id`` place the state and the batches: "cpu", or "cuda" ("cuda:N") for a
+    session on the CUDA provider. On a device, batches get there as an inference feed's do
+    (``feeder.device``): each is copied when it is made (``prepare_batch``, ahead of the step, by
+    whichever thread makes it) into device buffers allocated once and reused (a few slots, each
+    free again once its step has run), from staging memory the rebatcher assembles them in
+    (pinned on a GPU). "cpu:staged" runs that path with host memory standing in for the device.
+    The slots (``STATEFUL_SLOTS``, shared by every feed of the adapter) live as long as the adapter,
+    as its state does.
 
     Args:
         session: The ``onnxruntime.InferenceSession`` of the train-step graph.
         state: ``{state output: the state input it replaces}``, e.g. ``{"W_new": "W"}``.
         initial_state: ``{state input: numpy array}``, the first value of every state input;
             inputs named here that no output replaces are held constant.
-        device: Where the state and the batches live: ``"cpu"``, or ``"cuda"`` with a CUDA
-            provider.
+        device: Where the state and the batches live: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` with
+            a CUDA provider, or ``"cpu:staged"``.
         device_id: The device's index, for ``"cuda"``.
 
     Raises:
         ValueError: A state output or input the session lacks, two outputs replacing one input,
-            or an initial value for a name that is not an input.
+            an initial value for a name that is not an input, or a device the installed
+            onnxruntime lacks (naming the package to install).
     """
 
     def __init__(self, session: Any, state: Mapping[str, str],
@@ -281,7 +503,19 @@ class StatefulSession:
                  device: str = "cpu", device_id: int = 0):
         self._ort = import_onnxruntime()
         self.session = session
-        self.device, self.device_id = device, int(device_id)
+        placement = parse_device(device)
+        if placement is None:
+            raise TypeError("device must be 'cpu', 'cuda' or 'cuda:N', not None")
+        if placement.kind == "cuda" and ":" not in device:
+            placement = Placement("cuda", int(device_id))
+        placement = resolve(session, placement)
+        self.placement = placement
+        self.device = "cuda" if placement.kind == "cuda" else "cpu"  # ONNX Runtime's device names
+        self.device_id = placement.index
+        # Device slots for the batches (feeder.device): shared by every feed of this adapter.
+        self._slots: Optional[SlotRing] = None
+        if placement.on_device:
+            self._slots = SlotRing(DeviceMemory(placement, self._ort), [], STATEFUL_SLOTS)
         inputs = {a.name: a for a in session.get_inputs()}
         outputs = {a.name: a for a in session.get_outputs()}
         self._state = dict(state)
@@ -325,15 +559,27 @@ class StatefulSession:
         """Names of the state inputs (replaced after each step, or held constant), in order."""
         return list(self._state_inputs)
 
+    @property
+    def host_allocator(self) -> Optional[Callable[[Tuple[int, ...], Any], np.ndarray]]:
+        """Staging memory for a feed's rebatcher (pinned on a GPU); None on the CPU."""
+        return self._slots.memory.host_array if self._slots is not None else None
+
     def prepare_batch(self, batch: PreparedBatch) -> None:
-        """Wrap the batch's arrays as OrtValues on ``device`` (called by feeder when it prepares the
-        batch, before a consumer asks for it).
+        """Wrap the batch's arrays as OrtValues on ``device`` (called when the batch is made, by
+        whichever thread makes it, ahead of the step that runs it): zero-copy on the CPU, else
+        copied into a device slot that the step gives back.
 
         Args:
-            batch: The batch being prepared; its ``ortvalues`` are set.
+            batch: The batch being prepared; its ``ortvalues`` (and on a device its ``slot``)
+                are set.
         """
-        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
-        batch.ortvalues = [from_numpy(np.ascontiguousarray(a), self.device, self.device_id) for a in batch.arrays]
+        arrays = [np.ascontiguousarray(a) for a in batch.arrays]
+        if self._slots is not None:
+            slot = batch.slot = self._slots.place(arrays)
+            batch.ortvalues = slot.inputs
+        else:
+            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+            batch.ortvalues = [from_numpy(a, self.device, self.device_id) for a in arrays]
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
         """One training step on ``batch`` (what ``feed.run()`` calls).
@@ -353,6 +599,12 @@ class StatefulSession:
             raise ValueError(f"unknown outputs {unknown}; outputs: {self._plain_outputs + list(self._state)}")
         if batch.ortvalues is None:
             self.prepare_batch(batch)
+        try:
+            return self._step(batch, names, run_options)
+        finally:
+            batch.release()  # the step has run: its device slot may take the next batch
+
+    def _step(self, batch: PreparedBatch, names: List[str], run_options: Any) -> List[Any]:
         with self._lock:
             missing = [n for n in self._state_inputs if n not in self._cur]
             if missing:
@@ -504,14 +756,17 @@ def _onnx_file_inputs(path: str, names: Sequence[str]) -> Dict[str, _Arg]:
 
 
 # ---- batch inference (feeder.predict) -----------------------------------------------------------
-def load_session(path: str) -> Any:
-    """An InferenceSession on the CPU with one intra-op thread: ``feeder.predict`` scales with
-    replicas (one consumer thread each), not with ONNX Runtime's spinning thread pool."""
+def load_session(path: str, providers: Any = None) -> Any:
+    """An InferenceSession with one intra-op thread: ``feeder.predict`` scales with replicas (one
+    consumer thread each), not with ONNX Runtime's spinning thread pool. ``providers``: as
+    :func:`feeder.device.providers_for` takes them (None: the CUDA provider where installed, else
+    the CPU; see :func:`feeder.device.default_providers`)."""
     ort = import_onnxruntime()
+    chosen = providers_for(providers)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
-    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path, opts, providers=chosen if chosen is not None else default_providers())
 
 
 def model_signature(session: Any) -> Dict[str, Any]:
@@ -541,9 +796,10 @@ class PredictSession:
     ``feed_names`` are the inputs the source feeds, in order: the model's inputs, then the kept
     columns that are not model inputs. :meth:`get_inputs` declares the model's inputs as the model
     does (so chunks are validated against them), except that a fixed batch dimension is declared
-    free, and the kept columns as unconstrained (any dtype and rank: ids, paths). In the enqueuer
-    thread :meth:`prepare_batch` wraps the model's inputs as OrtValues (padding a short last batch
-    up to a fixed batch dimension); in the consumer thread :meth:`run_batch` binds them and the
+    free, and the kept columns as unconstrained (any dtype and rank: ids, paths). When a batch is
+    made (by whichever thread makes it, ahead of the consumer) :meth:`prepare_batch` wraps the
+    model's inputs as OrtValues (padding a short last batch up to a fixed batch dimension); in the
+    consumer thread :meth:`run_batch` binds them and the
     outputs, runs, and returns the written outputs, then the kept columns, then the row keys.
 
     Outputs are bound to buffers owned by the calling thread and reused run after run (re-made
@@ -602,6 +858,9 @@ class PredictSession:
         # the signature and the per-batch row check are all there is.
         self._rows_checked = self.fixed_batch is not None
         self._check_lock = threading.Lock()
+        # On a GPU provider the inputs are copied to the device when the batch is made (ahead of the
+        # consumer, by whichever thread makes it), not by ONNX Runtime inside the run.
+        self._placement = session_placement(session)
 
     # -- the session protocol feeder uses --
     def get_inputs(self) -> List[Any]:
@@ -618,10 +877,15 @@ class PredictSession:
         return arrays
 
     def prepare_batch(self, batch: PreparedBatch) -> None:
-        """In the enqueuer thread: the model inputs as OrtValues (zero-copy for contiguous arrays)."""
+        """When the batch is made: the model inputs as OrtValues (zero-copy for contiguous arrays;
+        on a GPU session, copied to the device now rather than inside the run)."""
         if self._bind:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
-            batch.ortvalues = [from_numpy(np.ascontiguousarray(a)) for a in self._model_arrays(batch)]
+            arrays = [np.ascontiguousarray(a) for a in self._model_arrays(batch)]
+            if self._placement.kind == "cuda":
+                batch.ortvalues = [from_numpy(a, "cuda", self._placement.index) for a in arrays]
+            else:
+                batch.ortvalues = [from_numpy(a) for a in arrays]
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
         """In a consumer thread: run the model on ``batch``; returns ``outputs + kept + [row keys]``

@@ -205,3 +205,25 @@ def save_with_external_data(model: bytes, path, location: str = "weights.bin", s
         os.remove(weights)  # onnx appends to an existing file (at other offsets): a retrained model replaces it
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=location,
                     size_threshold=size_threshold)
+
+
+def id_outputs_model(width: int = 2) -> bytes:
+    """Three outputs that each tell the row id of x float32 [N, width] (id in column 0, 1.0 in
+    column 1): a = x [N, width], b = 2 * x [N, width], c = sum(x, axis=1) = id + 1 + ... [N].
+    A consumer can check that every output it got belongs to one batch: the ids agree."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Identity", ["x"], ["a"]),
+        helper.make_node("Mul", ["x", "two"], ["b"]),
+        helper.make_node("ReduceSum", ["x", "axes"], ["c"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "id_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", width]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", width]),
+         helper.make_tensor_value_info("c", TensorProto.FLOAT, ["N"])],
+        initializer=[numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
+                     numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")])
+    return _model(graph)

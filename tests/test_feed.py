@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from utils import Cycle, wait_until, workers
+from utils import Cycle, Sharded, wait_until, workers
 
 import feeder
 import feeder.feed
@@ -245,3 +245,77 @@ def test_string_inputs_of_any_width_are_never_truncated(coord):
     for _ in range(20):
         batch = feed.next_batch()
         assert [len(t) for t in batch["text"].tolist()] == batch["n"].tolist()
+
+
+class _NodeArg:
+    def __init__(self, name, type=None, shape=None):
+        self.name, self.type, self.shape = name, type, shape
+
+
+class PrepareFailsAt:
+    """A session adapter of one's own whose prepare_batch raises at its ``n``-th call (and records
+    the threads it was called in); run_batch returns the batch's ids."""
+
+    def __init__(self, n):
+        self.n, self.calls, self.threads = n, 0, set()
+        self._lock = threading.Lock()
+
+    def get_inputs(self):
+        return [_NodeArg("id", "tensor(int64)", ["N"]), _NodeArg("x", "tensor(float)", ["N", 2])]
+
+    def get_outputs(self):
+        return [_NodeArg("id")]
+
+    def prepare_batch(self, batch):
+        with self._lock:
+            self.calls += 1
+            self.threads.add(threading.current_thread().name)
+            if self.calls == self.n:
+                raise ZeroDivisionError("prepare_batch broke on this batch")
+
+    def run_batch(self, batch, output_names, run_options):
+        return [batch.arrays[0].copy()]
+
+
+@pytest.mark.parametrize("consumers", [1, 3])
+def test_a_prepare_batch_that_raises_fails_the_source_and_loses_no_row_silently(coord, mode, consumers):
+    """Issue 26, item 21: prepare_batch raising in a consumer's (or a producer's) pump went to that
+    one caller, the feed went on without the batch's rows, and the ledger failed at the end. Now
+    it fails the source like any failure: every consumer call (of every replica) raises it again,
+    naming prepare_batch, with the original as __cause__, and the batch's rows are accounted
+    for (the ledger check of every test)."""
+    adapter = PrepareFailsAt(40)
+    n = 4000
+    fetch = Sharded(n, 2, sizes=(5, 11, 3))
+    feeder.init_data_input_workers(adapter, ["id", "x"], fetch, 8, coordinator=coord, timeout=30, **workers(mode, 2))
+    feeder.init_data_input_workers(adapter, ["id", "x"], fetch, 8, coordinator=coord, timeout=30,
+                                   num_worker_threads=1)  # a replica: it fails with the source
+    coord.start()
+    feeds = coord.feeds("train")
+    got, errors = [], []
+
+    def consume(feed):
+        try:
+            while True:
+                got.extend(feed.run()[0].tolist())
+        except BaseException as e:  # noqa: B902
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(feeds[i % 2],)) for i in range(consumers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == consumers
+    for e in errors:
+        assert type(e) is feeder.FeederError, repr(e)
+        assert "prepare_batch" in str(e) and "'train'" in str(e) and "ZeroDivisionError" in str(e)
+        assert isinstance(e.__cause__, ZeroDivisionError)
+    for feed in feeds:  # sticky
+        with pytest.raises(feeder.FeederError, match="prepare_batch") as again:
+            feed.run()
+        assert isinstance(again.value.__cause__, ZeroDivisionError)
+    assert len(got) == len(set(got)) and len(got) < n
+    m = feeds[0].metrics()
+    assert m["source_rows_discarded"] >= 8  # the failed batch's rows, at least
+    coord.stop()  # the ledger check at stop must balance (the autouse fixture fails the test if not)

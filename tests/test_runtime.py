@@ -1,6 +1,8 @@
 """Feeding a real ONNX Runtime InferenceSession built with onnx.helper."""
 from __future__ import annotations
 
+import collections
+import sys
 import threading
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from models import linear_model, session, two_input_model  # noqa: E402
+from models import id_outputs_model, linear_model, session, two_input_model  # noqa: E402
 
 import feeder  # noqa: E402
 
@@ -201,3 +203,131 @@ def test_fixed_batch_dimension_drops_the_short_last_batch_instead_of_failing_in_
     m = feed.metrics()
     assert m["source_rows_delivered"] == 8 and m["source_rows_dropped"] == 2
     assert any("dropped the last 2 rows" in r.getMessage() for r in caplog.records)
+
+
+class IdRows:
+    """A finite fetch function: chunks of 1..``max_rows`` rows of x = [id, 1.0], every id of
+    0..n-1 once (so batches span chunks and are assembled in reused buffers)."""
+
+    def __init__(self, n, max_rows=24, seed=0):
+        self.n, self.max_rows = n, max_rows
+        self._next = 0
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def __call__(self, worker_id, batch_size):
+        with self._lock:
+            if self._next >= self.n:
+                raise StopIteration
+            k = int(self._rng.integers(1, self.max_rows + 1))
+            start, self._next = self._next, min(self.n, self._next + k)
+            stop = self._next
+        x = np.ones((stop - start, 2), np.float32)
+        x[:, 0] = np.arange(start, stop)
+        return [x]
+
+
+ID_OUTPUTS = ["a", "b", "c"]
+
+
+def ids_of(name, out):
+    """The row ids an output of id_outputs_model encodes."""
+    return {"a": lambda o: o[:, 0], "b": lambda o: o[:, 0] / 2, "c": lambda o: o - 1}[name](out)
+
+
+def consume_checking(feed, patterns, seen, errors, keep=3):
+    """Run ``feed`` until its source ends, asking for the output lists of ``patterns`` in turn:
+    every call's outputs must be the ones asked for (None: all, in the session's order) and tell
+    the same row ids; the last ``keep`` results are held and must not change meanwhile."""
+    held = collections.deque()
+    k = 0
+    try:
+        while True:
+            names = patterns[k % len(patterns)]
+            k += 1
+            try:
+                outs = feed.run(names)
+            except StopIteration:
+                break
+            want = ID_OUTPUTS if names is None else names
+            assert len(outs) == len(want), f"asked {names}, got {len(outs)} outputs"
+            ids = None
+            for name, out in zip(want, outs):
+                rows = out.shape[0]
+                assert out.shape == ((rows, 2) if name in ("a", "b") else (rows,)), (name, out.shape)
+                got = ids_of(name, out)
+                if ids is None:
+                    ids = got.copy()
+                assert np.array_equal(got, ids), f"outputs {want} of one run tell different rows"
+            seen.extend(ids.astype(np.int64).tolist())
+            for old, copies in held:
+                for o, c in zip(old, copies):
+                    assert np.array_equal(o, c), "an output held by the consumer was overwritten"
+            held.append((outs, [o.copy() for o in outs]))
+            if len(held) > keep:
+                held.popleft()
+    except BaseException as e:  # noqa: B902 - reported by the test
+        errors.append(e)
+
+
+@pytest.mark.parametrize("interval", [1e-6, 1e-5])
+def test_consumers_asking_for_different_outputs_never_share_or_lose_buffers(interval):
+    """Issue 26, item 18: output buffers came from a ring that was not thread-safe, taken both by
+    the thread preparing batches and by a consumer rebinding other outputs: outputs of other rows,
+    held outputs overwritten, wrong shapes, an IndexError in the enqueuer, rows lost."""
+    sess = session(id_outputs_model())
+    patterns = [[["a"], None], [["b", "c"], ["c"]], [None, ["c", "a", "b"]], [["a", "c"], ["b"], None]]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        for it in range(3):
+            coord = feeder.GlobalCoordinator(join_timeout=3.0)
+            n = 4000
+            feeder.init_data_input_workers(sess, None, IdRows(n, seed=it), 16, num_worker_threads=2,
+                                           coordinator=coord, timeout=60)
+            seen, errors = [], []
+            with coord:
+                feed = coord.feed("train")
+                threads = [threading.Thread(target=consume_checking, args=(feed, p, seen, errors))
+                           for p in patterns]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+            assert not errors, errors[0]
+            assert sorted(seen) == list(range(n)), "rows lost or delivered twice"
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_run_without_names_always_means_every_output(coord):
+    """Issue 26, item 19: after run(["s"]), run() returned [s] (and after run(["s", "y"]) the two in
+    that order), not every output in the session's order."""
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, None, IdRows(10**6), 4, num_worker_threads=1, coordinator=coord,
+                                   timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    for names in (None, ["c"], None, ["c", "a"], None, ["b"], ["b"], None, None):
+        outs = feed.run(names)
+        want = ID_OUTPUTS if names is None else names
+        assert len(outs) == len(want), (names, [o.shape for o in outs])
+        ids = ids_of(want[0], outs[0])
+        for name, out in zip(want, outs):
+            assert np.array_equal(ids_of(name, out), ids), (names, name)
+
+
+def test_outputs_are_reused_for_each_list_a_consumer_alternates(coord):
+    """Item 18's rings are per output list: a consumer alternating two lists reuses the buffers of
+    each (before, each change of list started the one ring afresh, allocating every time)."""
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, None, IdRows(10**6), 16, num_worker_threads=1, coordinator=coord,
+                                   timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    for i in range(300):
+        names = ["a"] if i % 2 else ["b", "c"]
+        outs = feed.run(names)
+        assert len(outs) == len(names)
+        del outs
+    assert feed._runner.output_allocations <= 2 * feed._runner.ring_size

@@ -442,3 +442,13 @@ def limit_open_files(worker_id: int) -> None:
     than its hundreds of slots)."""
     import resource
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+class XOnly:
+    """A ``Sharded``-like fetch function's second array (x) alone, for a session that takes x only."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, worker_id: int, batch_size: int):
+        return [self.inner(worker_id, batch_size)[1]]

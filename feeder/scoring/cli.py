@@ -4,7 +4,7 @@ Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
                    [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--identity content]
-                   [--overwrite] [--no-progress]
+                   [--provider cpu|cuda|cuda:N] [--overwrite] [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
 inputs plus the kept ones (columns named like them). Prints one line: rows written, rows computed,
@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
                    help="how an input file is known again when a run continues: metadata (default: size, "
                         "modification time and footer) or content (a SHA-256 of its bytes, read whole: for data "
                         "copied between machines)")
+    p.add_argument("--provider", default=None, metavar="cpu|cuda|cuda:N",
+                   help="where the model runs (default: the GPU where onnxruntime-gpu is installed, else the CPU)")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
@@ -135,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,
                                 cast=args.cast, overwrite=args.overwrite,
-                                progress=False if args.no_progress else None)
+                                progress=False if args.no_progress else None, providers=args.provider)
     except KeyboardInterrupt:
         print("feeder predict: interrupted; run the same command again to continue", file=sys.stderr)
         return 130

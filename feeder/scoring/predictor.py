@@ -98,6 +98,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             overwrite: bool = False,
             progress: Optional[bool] = None,
             cast: bool = False,
+            providers: Any = None,
             _durable: bool = True) -> PredictResult:
     """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
     ``output``, every row exactly once even when a call is killed and called again.
@@ -135,6 +136,10 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             True or False force it (no bar without tqdm).
         cast: Convert safe dtype mismatches of the model's inputs (float64 to float32, int64 to
             int32 when the values fit), as in :func:`~feeder.init_data_input_workers`.
+        providers: For a model given as a path, where it runs: ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` or a list as ``onnxruntime.InferenceSession`` takes it; None: the CUDA
+            provider where the installed onnxruntime has it, else the CPU. A provider that is not
+            installed is a ValueError naming those that are, before anything is written.
 
     Returns:
         A :class:`PredictResult`: the rows in the output, those this call computed, the call's
@@ -161,7 +166,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
-    session, identity = _open_model(model)
+    session, identity = _open_model(model, providers)
     plan = _Plan.make(session, source, outputs, keep, batch_size)
     fingerprint = {**model_signature(session), **identity}
     options = {"outputs": plan.outputs, "keep": plan.keep}
@@ -235,7 +240,7 @@ def _cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _open_model(model: Any) -> Tuple[Any, Dict[str, Any]]:
+def _open_model(model: Any, providers: Any = None) -> Tuple[Any, Dict[str, Any]]:
     """(session, the model's identity: see :func:`~feeder.scoring.modelid.model_identity`; empty
     for a session that keeps neither its bytes nor its file's path)."""
     if isinstance(model, (str, os.PathLike)):
@@ -244,12 +249,15 @@ def _open_model(model: Any) -> Tuple[Any, Dict[str, Any]]:
             raise FileNotFoundError(f"no such ONNX model file: {path!r}")
         import_onnxruntime()
         try:
-            session = load_session(path)
+            session = load_session(path, providers)
         except Exception as e:  # onnxruntime's own exception types (Fail, InvalidProtobuf...) derive from Exception
             text = " ".join(str(e).split())
             raise ValueError(f"model {path!r} cannot be loaded by onnxruntime (is it an ONNX model, with its external "
                              f"data files beside it?): {text}") from e
         return session, model_identity(path=path)
+    if providers is not None:
+        raise ValueError("providers= applies to a model given as a path; a session runs where it was made "
+                         "(onnxruntime.InferenceSession(..., providers=...))")
     if isinstance(model, bytes) or not is_session(model) or not callable(getattr(model, "get_outputs", None)):
         raise TypeError(f"model must be a path to an ONNX file or an onnxruntime.InferenceSession, "
                         f"got {type(model).__name__}")
