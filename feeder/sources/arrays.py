@@ -24,11 +24,20 @@ class ArraySource(ShardedSource):
     along axis 0. Units of work are blocks of ``block_rows`` (default 1024) consecutive rows;
     ``shuffle`` permutes the blocks and the rows within each block, differently each epoch,
     reproducibly from ``seed``. ``epochs=None`` repeats forever.
+
+    Across hosts: ``shard=(rank, world_size)`` (or ``"env"``: ``RANK`` and ``WORLD_SIZE``) makes
+    this rank read its own part of every epoch, disjoint from the other ranks' (which need not
+    talk to it); ``equal_steps=True`` gives every rank the same number of rows per epoch (the
+    epoch's last ``rows % world_size`` rows are left out of it). ``shuffle_window=N`` mixes rows
+    of several blocks into each chunk (N rows held in all, split between the workers). See
+    :mod:`feeder.sources.sharding` and the guide ("Many hosts", "Shuffling").
     """
 
     def __init__(self, arrays: Union[Mapping[str, Any], Sequence[Any]], *, shuffle: bool = False, seed: int = 0,
-                 epochs: Optional[int] = 1, block_rows: int = BLOCK_ROWS):
-        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs)
+                 epochs: Optional[int] = 1, block_rows: int = BLOCK_ROWS, shard: Any = None,
+                 equal_steps: bool = False, shuffle_window: Optional[int] = None):
+        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
+                         shuffle_window=shuffle_window)
         if isinstance(arrays, Mapping):
             self.names: Optional[List[str]] = [str(k) for k in arrays]
             items = list(arrays.values())

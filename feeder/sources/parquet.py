@@ -57,6 +57,10 @@ class ParquetSource(ShardedSource):
     InputValidationError naming it; a column that is missing is a ValueError at registration
     (at creation when ``columns`` is given).
 
+    ``shard``, ``equal_steps`` and ``shuffle_window`` as for ArraySource: ranks read disjoint
+    parts of every epoch, and a window of N rows mixes rows of several row groups into each chunk
+    (with row groups of 10k-100k rows, each batch would otherwise come from one row group).
+
     What a checkpoint must match (``feeder_definition``) is judged from the files' footers,
     never by reading the data: the files and their sizes, schemas, row groups and, for the used
     columns, their Arrow types and the column chunks' statistics (min, max, null and value
@@ -66,8 +70,10 @@ class ParquetSource(ShardedSource):
     """
 
     def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
-                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1):
-        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs)
+                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, shard: Any = None,
+                 equal_steps: bool = False, shuffle_window: Optional[int] = None):
+        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
+                         shuffle_window=shuffle_window)
         pa = import_pyarrow()
         if columns is not None and not isinstance(columns, Mapping):
             raise TypeError(f"columns must be a dict of input name -> column name or None, "
