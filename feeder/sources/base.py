@@ -499,7 +499,7 @@ class ShardedSource:
         last = 0
         while window.wants_more():
             try:
-                arrays = self._next_unit(worker_id)
+                arrays = self._next_unit(worker_id, stored_order=True)
             except StopIteration:
                 window.ended = True
                 break
@@ -509,7 +509,10 @@ class ShardedSource:
             raise StopIteration
         return window.take(last or int(self._units.max()))
 
-    def _next_unit(self, worker_id: int) -> List[np.ndarray]:
+    def _next_unit(self, worker_id: int, stored_order: bool = False) -> List[np.ndarray]:
+        """The next unit of this worker's sequence: its arrays and row keys. ``stored_order``: its
+        rows in the order they are stored (a read without a gather), keys still by shuffled order
+        (for the shuffle window, which mixes them anyway)."""
         where = self._locate(self._take(worker_id))
         if where is None:
             raise StopIteration
@@ -519,6 +522,9 @@ class ShardedSource:
             positions, rows = np.arange(len(order), dtype=np.int64), order
         else:
             rows = order[positions]
+        if stored_order and len(rows) > 1:
+            by_row = np.argsort(rows, kind="stable")
+            rows, positions = rows[by_row], positions[by_row]
         arrays = self._read(unit, rows, worker_id)
         # A key numbers a row by its place in its unit's (shuffled) order, not by its row index:
         # rows are delivered in that order, so what a consumer got of a unit is a few key ranges
