@@ -391,3 +391,16 @@ def test_parquet_ranks_with_a_window_deliver_every_row_once_and_resume_exactly(t
     for r in range(2):
         after += run(make(r, 2), batch_size=10, resume=merged, procs=procs)[0]
     assert Counter(before + after) == Counter({r: 1 for r in range(1200)})
+
+
+@pytest.mark.slow
+def test_the_many_hosts_example_kills_a_rank_merges_and_resumes_on_another_world_size():
+    pytest.importorskip("pyarrow")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "many_hosts.py"), "--rows", "40000"],
+                         capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import re
+    scored = re.search(r"(\d+) of 40000 rows scored, 0 twice", out.stdout)
+    assert "killed rank 1" in out.stdout and scored, out.stdout
+    assert int(scored.group(1)) >= 40000 - 1  # equal_steps on 2 ranks leaves out the odd row of what was left
