@@ -7,12 +7,18 @@ Peers, all running the same steps on the same kind of batches:
   serial-state   fetch, concatenate, StatefulSession step (state stays in OrtValues)
   feeder         feeder with N fetcher threads into the same StatefulSession
 
-    python benchmarks/train_steps.py [--steps 300] [--fetch-ms 2] [--workers 4]
+    python benchmarks/train_steps.py [--steps 300] [--fetch-ms 2] [--workers 4] [--json PATH]
+
+``--json PATH`` also writes the figures, the date and the command to PATH (the docs' figures
+come from benchmarks/results/train_steps*.json).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
 import sys
 import time
 
@@ -94,6 +100,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--fetch-ms", type=float, default=2.0, help="I/O-like wait per 32-row chunk, ms")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
     fetch_s = args.fetch_ms / 1000
     capacity = args.workers * 32 / fetch_s / args.batch_size if fetch_s else float("inf")
@@ -104,6 +111,16 @@ def main():
           f"{args.workers} fetcher threads (their capacity: {capacity:,.0f} steps/s)")
     for k, v in r.items():
         print(f"  {k:13s} {v:9,.1f} steps/s   feeder / this = {r['feeder'] / v:5.2f}x")
+    if args.json:
+        out = {"date": datetime.date.today().isoformat(),
+               "command": "python benchmarks/train_steps.py " + " ".join(sys.argv[1:]),
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
+               "batch_size": args.batch_size, "fetch_ms": args.fetch_ms, "workers": args.workers,
+               "steps": args.steps, "fetcher_capacity_steps_per_s": capacity if fetch_s else None, "steps_per_s": r,
+               "feeder_over": {k: r["feeder"] / v for k, v in r.items() if k != "feeder"}}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
 
 
 if __name__ == "__main__":

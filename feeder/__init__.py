@@ -18,7 +18,8 @@ A threaded producer/consumer feeder descended from Caffe2's ``data_workers``::
 A global coordinator owns named bounded queues (one per source: "train", "test", ...);
 fetcher threads call ``fetch_fun``; an enqueuer thread per feed rebatches chunks to exactly
 ``batch_size`` rows and prepares OrtValues; consumers wait with timeouts. Throughput is
-logged to the ``"feeder"`` logger and handed to external loggers. See API.md for the contract.
+logged to the ``"feeder"`` logger and handed to external loggers. The public contract is the
+documentation's page "The contract" (``docs/reference/contract.md``).
 """
 from .api import init_data_input_workers
 from .chunkqueue import ChunkQueue

@@ -81,32 +81,76 @@ def init_data_input_workers(
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
-    ``fetch_fun(worker_id, batch_size)`` runs in ``num_worker_threads`` fetcher threads and
-    returns a chunk: a list/tuple of arrays in ``input_names`` order, a dict by input name, or
-    None. Chunks may have any number of rows; they are rebatched to exactly ``batch_size``
-    rows along each input's ``batch_columns`` axis. Raising ``StopIteration`` ends the worker;
-    when every worker of the source has ended, the source is finite and consumers get
-    ``StopIteration`` after the last batch (short or dropped per ``last_batch``).
+    ``fetch_fun(worker_id, batch_size)`` runs in ``num_worker_threads`` fetcher threads (or
+    ``num_worker_processes`` worker processes) and returns a chunk: a list or tuple of numpy
+    arrays in ``input_names`` order, a dict by input name, or None (nothing this time). Chunks
+    may have any number of rows; they are rebatched to exactly ``batch_size`` rows along each
+    input's batch axis. Raising ``StopIteration`` ends that worker; when every worker of every
+    registration of the source has ended, the source is finite and consumers get
+    ``StopIteration`` after the last batch. Nothing runs until the coordinator's ``start()``.
 
-    Units: ``timeout`` and ``log_interval`` in seconds, ``max_buffered_batches`` in chunks,
-    ``max_buffered_bytes`` in bytes. ``ordered=True`` builds batches from chunks in a fixed
-    round-robin of worker ids (deterministic); ``cast=True`` converts safe dtype mismatches
-    (e.g. float64 to a float32 input) in the fetcher thread; ``max_fetch_errors`` fetch
-    exceptions are logged and skipped before the source fails. ``resume_from`` (a state from
-    ``coord.state_dict(name)``, the same for every registration of the source) makes a source
-    continue after the rows that state says were delivered (see ``feeder.sources``).
+    Args:
+        session: An ``onnxruntime.InferenceSession``; a training session adapter
+            (:class:`~feeder.StatefulSession`, :class:`~feeder.OrtTrainingModule`, or any object
+            with ``get_inputs()`` and ``run_batch()``); or None, for a feed that hands out numpy
+            batches (``next_batch()``, iteration) and cannot ``run()``.
+        input_names: The inputs this source feeds, in the order a list-returning ``fetch_fun``
+            returns them. None with a session: all of the session's inputs, in its order.
+        fetch_fun: ``fetch_fun(worker_id, batch_size) -> chunk``; a source of
+            ``feeder.sources`` is one.
+        batch_size: Rows per batch handed to the session (> 0). It must agree with a fixed
+            batch dimension of the session's inputs, unless ``dont_rebatch``.
+        num_worker_threads: Fetcher threads of this registration (>= 1), or ``"auto"``: feeder
+            chooses, while running, how many of up to 8 run. Ignored with worker processes.
+        input_source_name: The source's name. Registrations that share it share its chunk
+            queue: data-parallel replicas, each row going to one of them.
+        max_buffered_batches: Bound of the source's chunk queue, in chunks (the first
+            registration of a name sizes it).
+        init_fun: ``init_fun(feed, coordinator)``, called once, serially, by ``start()`` before
+            any thread starts; an exception from it propagates from ``start()``.
+        external_loggers: Objects with ``log(metrics: dict[str, float])``, called every
+            ``log_interval`` seconds and at stop; one that raises is logged and kept.
+        dont_rebatch: True hands each chunk on as one batch, whatever its row count.
+        batch_columns: The batch axis of each input, in ``input_names`` order (default 0 for
+            all).
+        timeout: Seconds (> 0) a consumer call waits for a batch before ``FeedTimeout``.
+        coordinator: The :class:`~feeder.GlobalCoordinator` to register on; None: the
+            module-level ``feeder.global_coordinator``.
+        last_batch: For a finite source, ``"keep"`` its short final batch or ``"drop"`` it (the
+            rows dropped are logged and counted).
+        log_interval: Seconds between throughput log lines (and calls of the external loggers).
+        ordered: True builds batches from chunks in a fixed round-robin of worker ids, so that
+            the batches are the same on every run whatever the thread timing.
+        cast: True converts safe dtype mismatches (float64 to a float32 input, int64 to int32
+            when the values fit) where the chunk was fetched, instead of refusing them.
+        max_fetch_errors: Exceptions from ``fetch_fun`` that are logged, counted and skipped
+            before the source fails (bad data a source reports is never skipped).
+        max_buffered_bytes: Hard bound, in bytes, on what the source holds between fetchers and
+            consumers; None: the queue stops taking chunks at 64 MiB queued.
+        resume_from: A state from ``coord.state_dict(name)`` (the same for every registration
+            of the source): the source continues after the rows that state says were delivered.
+        num_worker_processes: Worker processes running ``fetch_fun`` instead of threads (0:
+            threads), or ``"auto"`` (one worker id per core, the tuner chooses how many run).
+            ``fetch_fun`` travels to them with cloudpickle; chunks come back through shared
+            memory.
+        mp_context: Start method of the worker processes (``"forkserver"``, ``"spawn"``,
+            ``"fork"``) or a multiprocessing context; None: ``"forkserver"`` where available,
+            else ``"spawn"``.
+        worker_init_fun: ``worker_init_fun(worker_id)``, run in each worker process before its
+            first fetch.
+        seed: Each worker process seeds ``random`` and numpy's global generator from ``(seed,
+            worker_id)``; None draws a fresh base seed at each ``start()``.
 
-    ``num_worker_processes=N`` (> 0, or ``"auto"``) runs ``fetch_fun`` in N worker processes
-    instead of threads (started with ``mp_context``: default "forkserver", else "spawn"); each
-    runs ``worker_init_fun(worker_id)`` first and seeds ``random`` and numpy from ``(seed,
-    worker_id)``. ``fetch_fun`` and ``worker_init_fun`` travel with cloudpickle (lambdas and
-    closures too); one that cannot be sent at all is a TypeError here. Chunks come back through
-    shared memory (see the guide, "Threads or processes"). ``num_worker_threads`` is then ignored (a
-    value other than the default is logged as such): only ``num_worker_processes="auto"`` lets
-    the tuner choose how many processes run.
+    Returns:
+        The coordinator the feed was registered on (the same object every time): call
+        ``start()`` on it, or use it as a context manager.
 
-    Returns the coordinator the feed was registered on (call ``start()`` on it). Bad
-    arguments raise TypeError or ValueError here, naming the argument.
+    Raises:
+        TypeError: An argument of the wrong type, naming it; a ``fetch_fun`` or
+            ``worker_init_fun`` that cannot be sent to worker processes, naming what failed.
+        ValueError: An argument out of range, naming it; a ``batch_size`` that contradicts a
+            fixed batch dimension of the session; a ``resume_from`` state of another source
+            definition; a column a source lacks.
     """
     coord = global_coordinator if coordinator is None else coordinator
     if not isinstance(coord, GlobalCoordinator):

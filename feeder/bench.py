@@ -1,4 +1,4 @@
-"""``feeder bench``: measure a fetch function and a model, and say which configuration is fastest.
+"""feeder bench: measure a fetch function and a model, and say which configuration is fastest.
 
 Usage::
 

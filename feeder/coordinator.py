@@ -34,8 +34,12 @@ MONITOR_JOIN_S = 0.5  # the monitor's final reports get this long even when fetc
 class GlobalCoordinator:
     """Owns the named bounded queues and the feeds registered on them.
 
-    ``join_timeout`` (seconds) is the total time ``stop()`` waits for all threads to end.
     Every coordinator is independent; ``feeder.global_coordinator`` is just the default one.
+    ``with coord:`` calls ``start()`` on entry and ``stop()`` on exit.
+
+    Args:
+        join_timeout: Total seconds (>= 0) that ``stop()`` waits for all threads and worker
+            processes to end.
     """
 
     def __init__(self, *, join_timeout: float = 5.0):
@@ -54,7 +58,12 @@ class GlobalCoordinator:
 
     # ---- registration ------------------------------------------------------------------
     def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
-        """The named bounded chunk queue, created on first use with ``max_buffered_batches`` chunks."""
+        """The named bounded chunk queue, created on first use.
+
+        Args:
+            name: The source's name (``input_source_name``).
+            max_buffered_batches: The queue's bound in chunks, if this call creates it.
+        """
         with self._lock:
             q = self._queues.get(name)
             if q is None:
@@ -159,8 +168,16 @@ class GlobalCoordinator:
             f.stats.tune(now)
 
     def stop(self, timeout: Optional[float] = None) -> bool:
-        """Stop and remove every feed and queue. True if every thread ended within ``timeout``
-        seconds in total (default ``join_timeout``). Idempotent; never hangs."""
+        """Stop and remove every feed and queue, discarding what they hold. Idempotent; never hangs.
+
+        Args:
+            timeout: Total seconds to wait for every thread and process to end; None: the
+                coordinator's ``join_timeout``.
+
+        Returns:
+            True if every thread ended within the budget (a thread still stuck in ``fetch_fun``
+            is logged with its stack).
+        """
         with self._lock:
             feeds, self._feeds = self._feeds, []
             queues, self._queues = list(self._queues.values()), {}
@@ -171,7 +188,14 @@ class GlobalCoordinator:
         return self._shutdown(feeds, queues, monitor, stop_monitor=True, timeout=timeout)
 
     def stop_coordinator(self, name: str) -> bool:
-        """Stop and remove the feeds and the queue of one source; True if its threads all ended."""
+        """Stop and remove the feeds and the queue of one source.
+
+        Args:
+            name: The source's name.
+
+        Returns:
+            True if its threads all ended within the coordinator's ``join_timeout``.
+        """
         with self._lock:
             feeds = [f for f in self._feeds if f.input_source_name == name]
             self._feeds = [f for f in self._feeds if f.input_source_name != name]
@@ -236,9 +260,19 @@ class GlobalCoordinator:
 
     # ---- checkpoint ------------------------------------------------------------------------
     def state_dict(self, name: str) -> Dict[str, Any]:
-        """Which rows of source ``name`` were delivered to consumers, as a small JSON-serializable
-        dict; pass it as ``resume_from`` to continue after them. Consistent while consumers run: a
-        batch is in it if and only if a consumer has popped it. Works after ``stop()`` too."""
+        """Which rows of a source were delivered to consumers, to continue after them.
+
+        Consistent while consumers run: a batch is in it if and only if a consumer has popped it.
+        Works after ``stop()`` too.
+
+        Args:
+            name: The source's name; its fetch function must give row keys (the sources of
+                ``feeder.sources`` do, except ``RayDataSource``).
+
+        Returns:
+            A small JSON-serializable dict; pass it as ``resume_from`` to every registration of
+            the source.
+        """
         with self._lock:
             feeds = [f for f in self._feeds if f.input_source_name == name]
             q = self._queues.get(name)
@@ -252,7 +286,18 @@ class GlobalCoordinator:
 
     # ---- control and lookup --------------------------------------------------------------
     def reset_data_input(self, name: str, batch_size: int) -> None:
-        """Change the batch size of every feed of ``name`` while running; leftover rows are kept."""
+        """Change the batch size of every feed of a source while running.
+
+        Leftover rows are kept; ``fetch_fun`` sees the new size on its next call; batches already
+        prepared at the old size are handed out first.
+
+        Args:
+            name: The source's name.
+            batch_size: The new number of rows per batch (> 0).
+
+        Raises:
+            KeyError: No feed is registered for ``name``.
+        """
         feeds = self.feeds(name)
         if not feeds:
             raise KeyError(f"no feed registered for source {name!r}")
@@ -262,7 +307,15 @@ class GlobalCoordinator:
             feed._set_batch_size(batch_size)
 
     def feed(self, name: str) -> Feed:
-        """The single feed of source ``name`` (KeyError if none, ValueError if several)."""
+        """The single feed of a source.
+
+        Args:
+            name: The source's name.
+
+        Raises:
+            KeyError: No feed is registered for ``name``.
+            ValueError: The source has several feeds (replicas): use :meth:`feeds`.
+        """
         feeds = self.feeds(name)
         if not feeds:
             raise KeyError(f"no feed registered for source {name!r}")
@@ -271,7 +324,11 @@ class GlobalCoordinator:
         return feeds[0]
 
     def feeds(self, name: str) -> List[Feed]:
-        """All feeds of source ``name``, in registration order."""
+        """All feeds of a source, in registration order (empty if none).
+
+        Args:
+            name: The source's name.
+        """
         with self._lock:
             return [f for f in self._feeds if f.input_source_name == name]
 

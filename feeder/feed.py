@@ -54,12 +54,21 @@ _END_OF_DATA = _EndOfData()
 
 
 class Feed:
-    """One registration: ``num_worker_threads`` fetchers, one enqueuer, and the consumer calls.
+    """One registration: what a consumer calls, and the fetchers and enqueuer behind it.
 
-    Created by :func:`feeder.init_data_input_workers`; get it back with
-    ``coordinator.feed(name)``. Consumer calls raise the errors described in API.md.
-    Batches handed out by :meth:`next_batch` stay valid for as long as the caller holds
-    them: a buffer is reused only once nothing references it any more.
+    Made by :func:`feeder.init_data_input_workers`; get it with ``coord.feed(name)`` (or
+    ``coord.feeds(name)`` for replicas). What a consumer calls, after ``coord.start()``:
+
+    - :meth:`next_batch`: the next batch as ``{input name: numpy array}``;
+    - :meth:`run`: the next batch run through the session, its outputs returned;
+    - iteration, ``for batch in feed:``: ``next_batch()`` until a finite source ends;
+    - :meth:`metrics`, :meth:`diagnose`, :meth:`stage_times`: what the feed measured.
+
+    Every consumer call raises ``FeedTimeout`` when no batch came in time, ``FetchError`` after a
+    fetch failure, ``InputValidationError`` for a bad chunk, ``StopIteration`` once a finite
+    source has ended, ``FeedStopped`` once the coordinator has stopped, and ``FeederError``
+    before ``start()``. Batches stay valid for as long as the caller holds them: a buffer is
+    reused only once nothing references it any more.
 
     Attributes:
         input_source_name: The name of the source this feed draws from.
@@ -437,7 +446,7 @@ class Feed:
 
     def _next_prepared(self, timeout: Optional[float]) -> Tuple[PreparedBatch, float, float]:
         """The next batch, when the call began and when it got the batch (monotonic seconds); the
-        caller counts it (``counters``). Raises as API.md says."""
+        caller counts it (``counters``). Raises as the contract says."""
         start = time.monotonic()
         if timeout is not None and not timeout >= 0:  # also NaN, which would wait forever
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
@@ -519,15 +528,51 @@ class Feed:
         return self._waiting > 0 and not len(self._ready) and not self._inflight_rows
 
     def next_batch(self, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
-        """The next batch as ``{input name: array}``; waits at most ``timeout`` seconds
-        (default: the registration's ``timeout``)."""
+        """The next batch, waiting for it if none is ready.
+
+        Args:
+            timeout: Seconds to wait at most; None: the registration's ``timeout``.
+
+        Returns:
+            ``{input name: numpy array}``, each array of ``batch_size`` rows along its batch
+            axis (a finite source's last batch may be shorter).
+
+        Raises:
+            FeedTimeout: No batch came within ``timeout``; the message says what the source was
+                doing.
+            StopIteration: The finite source has ended.
+            FetchError: A fetch failed (sticky: every later call raises it again).
+            InputValidationError: A chunk broke the rules.
+            FeedStopped: The coordinator has stopped.
+            FeederError: Called before ``start()``.
+        """
         batch, start, now = self._next_prepared(timeout)
         self.counters.took(batch.rows, batch.nbytes, now - start, start, now)
         return batch.as_dict()
 
     def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None) -> List[Any]:
-        """Run the session on the next batch, whose OrtValues (and, with IOBinding, whose binding)
-        the enqueuer prepared; returns the outputs as numpy arrays."""
+        """Run the session on the next batch and return its outputs.
+
+        The batch's OrtValues, and with IOBinding its binding, were prepared before the call, so
+        the call takes the next prepared batch and runs the session (for a training adapter: one
+        training step). Waits at most the registration's ``timeout`` for a batch.
+
+        Args:
+            output_names: The session outputs to return, in that order; None: every output, in
+                the session's order.
+            run_options: An ``onnxruntime.RunOptions`` for this run, or None.
+
+        Returns:
+            The outputs as numpy arrays, in the order asked for.
+
+        Raises:
+            FeederError: The feed has no session (registered with ``session=None``), or was
+                called before ``start()``.
+            FeedTimeout: No batch came within the registration's ``timeout``.
+            StopIteration: The finite source has ended.
+            FetchError: A fetch failed; ``InputValidationError``, ``FeedStopped`` as for
+                :meth:`next_batch`.
+        """
         runner = self._runner
         if runner is None:
             raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "

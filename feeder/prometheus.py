@@ -10,7 +10,7 @@ Usage::
     prometheus_client.start_http_server(8000)              # your exporter: feeder opens no socket
 
 Every metric of ``feed.metrics()`` becomes a series ``<namespace>_<metric>`` with one label,
-``source`` (the feed's ``input_source_name``), as API.md says. Data-parallel replicas of a
+``source`` (the feed's ``input_source_name``), as the contract says. Data-parallel replicas of a
 source are added up into the source's series: their per-feed counts and rates are summed,
 and what is the source's own (``source_*``, ``queue_size``, ``queue_capacity``,
 ``live_workers``, ``batch_size``, ``uptime_s``: ``feeder.feedstats.SOURCE_KEYS``) is taken
@@ -37,7 +37,7 @@ so the feed calls ``log(metrics, feed=feed)`` instead of ``log(metrics)`` (see
 One collector is registered per (registry, namespace) and shared by every ``PrometheusLogger``
 made for that pair, so several loggers may share a registry, and one logger may serve any
 number of registrations. prometheus_client is imported only when a logger is created
-(``pip install 'feeder[prometheus]'``).
+(``pip install 'onnx-feeder[prometheus]'``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from .feedstats import REPORT_KEYS, SOURCE_KEYS, TOTALS
 
 LABELS = ("source",)
 
-_INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'feeder[prometheus]'"
+_INSTALL_HINT = "PrometheusLogger needs prometheus_client: pip install 'onnx-feeder[prometheus]'"
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
 
 
@@ -181,9 +181,18 @@ def _collector_for(registry: Any, namespace: str) -> _Collector:
 class PrometheusLogger:
     """An external logger that publishes feeds' metrics in a Prometheus registry the user owns.
 
-    ``registry``: a ``prometheus_client.CollectorRegistry`` (None: ``prometheus_client.REGISTRY``).
-    ``namespace``: the prefix of every series name. Pass the logger in ``external_loggers`` of
-    any number of registrations; see the module docstring for names and labels.
+    Pass the logger in ``external_loggers`` of any number of registrations: each key of
+    ``feed.metrics()`` becomes the series ``<namespace>_<key>``, labelled ``source="<name>"``.
+    feeder never serves the registry: that is yours (``prometheus_client.start_http_server``).
+
+    Args:
+        registry: A ``prometheus_client.CollectorRegistry``; None: ``prometheus_client.REGISTRY``.
+        namespace: The prefix of every series name (a valid Prometheus name prefix).
+
+    Raises:
+        ImportError: prometheus_client (the ``prometheus`` extra) is not installed.
+        ValueError: A ``namespace`` that is not a valid prefix, or one whose series another
+            collector of the registry already has.
     """
 
     log_with_feed = True  # the feed calls log(metrics, feed=feed); see feeder.metrics
@@ -202,8 +211,14 @@ class PrometheusLogger:
         self._collector = _collector_for(self.registry, namespace)
 
     def log(self, metrics: Mapping[str, float], feed: Any = None, source: Optional[str] = None) -> None:
-        """Record ``metrics`` as the latest values of ``feed``'s source (or of ``source``, when
-        called by hand without a feed; default ``"unknown"``)."""
+        """Record ``metrics`` as the latest values of a source (feeds call this at every report).
+
+        Args:
+            metrics: A feed's metrics, ``{key: value}``.
+            feed: The feed reporting them; its ``input_source_name`` labels the series, and
+                replicas of a source add up.
+            source: The label when called by hand without a feed; None: ``"unknown"``.
+        """
         if feed is not None:
             source = feed.input_source_name
         self._collector.update("unknown" if source is None else str(source), feed, metrics)

@@ -261,6 +261,19 @@ class StatefulSession:
 
     ``device`` / ``device_id`` place the state and the batch OrtValues ("cpu", or "cuda" with a
     CUDA provider); batches are moved there in the enqueuer thread.
+
+    Args:
+        session: The ``onnxruntime.InferenceSession`` of the train-step graph.
+        state: ``{state output: the state input it replaces}``, e.g. ``{"W_new": "W"}``.
+        initial_state: ``{state input: numpy array}``, the first value of every state input;
+            inputs named here that no output replaces are held constant.
+        device: Where the state and the batches live: ``"cpu"``, or ``"cuda"`` with a CUDA
+            provider.
+        device_id: The device's index, for ``"cuda"``.
+
+    Raises:
+        ValueError: A state output or input the session lacks, two outputs replacing one input,
+            or an initial value for a name that is not an input.
     """
 
     def __init__(self, session: Any, state: Mapping[str, str],
@@ -313,12 +326,27 @@ class StatefulSession:
         return list(self._state_inputs)
 
     def prepare_batch(self, batch: PreparedBatch) -> None:
-        """Wrap the batch's arrays as OrtValues on ``device`` (called in the enqueuer thread)."""
+        """Wrap the batch's arrays as OrtValues on ``device`` (called by feeder when it prepares the
+        batch, before a consumer asks for it).
+
+        Args:
+            batch: The batch being prepared; its ``ortvalues`` are set.
+        """
         from_numpy = self._ort.OrtValue.ortvalue_from_numpy
         batch.ortvalues = [from_numpy(np.ascontiguousarray(a), self.device, self.device_id) for a in batch.arrays]
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
-        """One training step on ``batch``; returns the requested outputs as numpy arrays."""
+        """One training step on ``batch`` (what ``feed.run()`` calls).
+
+        Args:
+            batch: The prepared batch.
+            output_names: Outputs to return (any non-state output, or a state output's new
+                value); None: every output that is not state.
+            run_options: An ``onnxruntime.RunOptions``, or None.
+
+        Returns:
+            The requested outputs, as numpy arrays.
+        """
         names = list(output_names) if output_names is not None else list(self._plain_outputs)
         unknown = [n for n in names if n not in self._plain_outputs and n not in self._state]
         if unknown:
@@ -362,7 +390,15 @@ class StatefulSession:
                     if name in self._cur}
 
     def load_state(self, values: Mapping[str, np.ndarray]) -> None:
-        """Set the state (every state input) from arrays, e.g. ``dict(np.load("ckpt.npz"))``."""
+        """Set the state (every state input) from arrays.
+
+        Args:
+            values: ``{state input: numpy array}`` for every state input, e.g.
+                ``dict(np.load("ckpt.npz"))`` of what :meth:`state` gave.
+
+        Raises:
+            ValueError: A state input is missing from ``values``.
+        """
         missing = [n for n in self._state_inputs if n not in values]
         if missing:
             raise ValueError(f"load_state: missing state inputs {missing}")
@@ -399,6 +435,12 @@ class OrtTrainingModule:
     ``get_inputs()`` gives the module's input names (types and shapes are learned from the first
     chunk, or read from ``train_model_path`` when given). Note: onnxruntime-training 1.19 holds
     the GIL during its train step, so fetcher threads run at a fraction of their speed meanwhile.
+
+    Args:
+        module: An ``onnxruntime.training.api.Module``.
+        optimizer: Its ``onnxruntime.training.api.Optimizer``.
+        train_model_path: The training model's ONNX file, to validate chunks against its input
+            types and shapes; None: they are learned from the first chunk.
     """
 
     def __init__(self, module: Any, optimizer: Any, *, train_model_path: Optional[str] = None):
@@ -420,8 +462,16 @@ class OrtTrainingModule:
         return [_Arg(n) for n in self.module.output_names()]
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
-        """One training step on ``batch`` (forward and backward, ``optimizer.step()``, gradients
-        reset); returns the requested outputs (None: all of them) as numpy arrays."""
+        """One training step on ``batch``: forward and backward, ``optimizer.step()``, gradients reset.
+
+        Args:
+            batch: The prepared batch.
+            output_names: Outputs to return; None: all of them.
+            run_options: Not used (onnxruntime-training's ``Module`` takes none).
+
+        Returns:
+            The requested outputs, as numpy arrays.
+        """
         by_name = batch.as_dict()
         args = [np.ascontiguousarray(by_name[a.name]) for a in self._inputs]
         with self._lock:

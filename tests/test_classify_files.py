@@ -109,7 +109,7 @@ A threaded producer/consumer feeder for **ONNX Runtime**.
 ## Install
 
 ```bash
-pip install feeder
+pip install onnx-feeder
 ```
 
 ## Usage

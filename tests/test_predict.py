@@ -387,7 +387,7 @@ def test_without_pyarrow_predict_says_which_extra_to_install(tmp_path):
             "try:\n"
             "    feeder.predict('m.onnx', lambda w, b: None, 'out')\n"
             "except ImportError as e:\n"
-            "    assert \"pip install 'feeder[parquet]'\" in str(e), e\n"
+            "    assert \"pip install 'onnx-feeder[parquet]'\" in str(e), e\n"
             "else:\n"
             "    raise AssertionError('no ImportError')\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=_env())

@@ -23,7 +23,7 @@ def chunk(worker_id, batch_size):
 def scrape(registry) -> dict:
     """Serve ``registry`` on an ephemeral port of 127.0.0.1, scrape it once, shut the server down.
     Returns {sample name: {source: value}} and the family types; every sample's labels must be
-    exactly {"source": ...}, as API.md says."""
+    exactly {"source": ...}, as the contract says."""
     server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         port = server.server_address[1]
@@ -57,7 +57,7 @@ def test_scrape_shows_each_source_with_its_values(coord):
     assert coord.stop()  # the final report reaches the logger before stop() returns
     got = scrape(registry)
     s, types = got["samples"], got["types"]
-    # API.md: every series is named <namespace>_<metric>, counters included (no _total suffix)
+    # The contract: every series is named <namespace>_<metric>, counters included (no _total suffix)
     assert types["feeder_batches"] == "gauge" and types["feeder_queue_size"] == "gauge"
     assert not any(name.endswith("_total") for name in s), sorted(s)
     assert s["feeder_batches"] == {"train": 5.0, "test": 2.0}
@@ -125,7 +125,7 @@ def test_without_prometheus_client_creating_a_logger_says_what_to_install():
             "try:\n    feeder.PrometheusLogger()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'feeder[prometheus]'" in out.stdout
+    assert "pip install 'onnx-feeder[prometheus]'" in out.stdout
 
 
 def test_counters_survive_a_gone_feed_and_hand_calls_name_their_source():

@@ -29,7 +29,7 @@ def ray_or_skip():
         import ray
         import ray.data  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"ray[data] cannot be imported ({e}); pip install 'feeder[ray]'")
+        pytest.skip(f"ray[data] cannot be imported ({e}); pip install 'onnx-feeder[ray]'")
     return ray
 
 
@@ -91,7 +91,7 @@ def test_without_ray_creating_the_source_says_what_to_install():
             "try:\n    RayDataSource(object())\nexcept ImportError as e:\n    print('MSG', e)\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60, capture_output=True,
                          text=True).stdout
-    assert "MSG" in out and "pip install 'feeder[ray]'" in out, out
+    assert "MSG" in out and "pip install 'onnx-feeder[ray]'" in out, out
 
 
 # ---- local instance ----------------------------------------------------------------------------

@@ -330,7 +330,7 @@ def test_a_pickled_validator_keeps_its_fast_path(inputs):
 
 
 def test_object_arrays_of_strings_make_a_string_input_without_a_session(coord, mode):
-    """API.md: an object dtype is bad "other than for a string input". Without a session the
+    """The contract: an object dtype is bad "other than for a string input". Without a session the
     source's first chunk decides: an object array holding only str is a string input (Ray Data
     hands string columns so); one holding anything else is refused."""
     names = np.array([f"s{i}" for i in range(3)], dtype=object)

@@ -64,8 +64,14 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 @dataclass(frozen=True)
 class PredictResult:
-    """What :func:`predict` did: ``rows`` in the output, ``rows_computed`` by this call, its
-    wall-clock ``seconds``, and the output's part ``files`` (paths, in part order)."""
+    """What :func:`predict` did.
+
+    Attributes:
+        rows: Rows in the output, this call's and earlier calls' together.
+        rows_computed: Rows this call computed (0 when the output was already complete).
+        seconds: Wall-clock seconds of this call.
+        files: The output's part files (paths, in part order).
+    """
 
     rows: int
     rows_computed: int
@@ -94,24 +100,52 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
     ``output``, every row exactly once even when a call is killed and called again.
 
-    ``model``: a path to an ONNX file (loaded on the CPU with one intra-op thread) or an
-    ``onnxruntime.InferenceSession`` (used as given). ``source``: a source of ``feeder.sources`` or
-    any fetch function; the model's inputs are fed from the source's inputs of the same names, and
-    ``keep`` names source inputs written beside the predictions (a list-returning fetch function
-    returns the model's inputs in the model's order, then the kept ones that are not model inputs).
-    ``outputs``: model outputs to write (None: all). ``replicas`` consumer threads run the model
-    (None: one per core), each fed by ``num_worker_threads`` fetcher threads or
-    ``num_worker_processes`` worker processes (as in ``init_data_input_workers``). Parts hold
-    ``rows_per_file`` rows (the last fewer); rows are in no particular order (keep an id to join).
-    ``overwrite=True`` starts afresh on an output of another source or model. ``progress``: a tqdm
-    bar on stderr (None: when stderr is a terminal). ``cast=True`` converts safe dtype mismatches
-    of the model's inputs (as in ``init_data_input_workers``). ``_durable=False`` skips the fsyncs
-    and the per-part state (for benchmarks that measure what the commits cost; not crash-safe).
+    Calling it again with the same arguments after a crash continues where the last commit left
+    off; on a finished output it returns at once (``rows_computed == 0``). Rows are written in no
+    particular order: keep an id to join them to their inputs. Needs pyarrow (the ``parquet``
+    extra). ``_durable=False`` skips the fsyncs and the per-part state (for benchmarks that
+    measure what the commits cost; not crash-safe).
 
-    Raises ValueError, before any row is computed, for a model input or kept input the source
-    lacks, an output the model lacks, an output directory holding files that are not ours, an
-    output of another source definition or model (unless ``overwrite``), an endless source; and
-    ImportError when pyarrow (the ``parquet`` extra) is missing.
+    Args:
+        model: A path to an ONNX file (loaded on the CPU with one intra-op thread and shared by
+            the replicas) or an ``onnxruntime.InferenceSession`` (used as given).
+        source: A source of ``feeder.sources`` or any fetch function. The model's inputs are fed
+            from the source's inputs of the same names; a list-returning fetch function returns
+            the model's inputs in the model's order, then the kept ones that are not model inputs.
+        output: The folder that becomes the Parquet dataset (created if missing).
+        batch_size: Rows per batch handed to the model (> 0).
+        outputs: Names of the model outputs to write, in that order; None writes all of them.
+        keep: Names of source inputs written beside the predictions (an id, a path); they need
+            not be model inputs. Kept columns come first in the output.
+        replicas: Consumer threads running the model, each on its own registration of the
+            source; None: one per core.
+        num_worker_threads: Fetcher threads per replica (an int >= 1, or ``"auto"``), as in
+            :func:`~feeder.init_data_input_workers`.
+        num_worker_processes: Worker processes per replica instead of threads (0: threads), as in
+            :func:`~feeder.init_data_input_workers`.
+        mp_context: Start method of the worker processes (``"forkserver"``, ``"spawn"``,
+            ``"fork"`` or a multiprocessing context); None: ``"forkserver"`` where available.
+        rows_per_file: Rows per Parquet part file (the last one has fewer).
+        overwrite: Start afresh on an output written from another source definition or model
+            (or by a fetch function that cannot resume), deleting only the parts feeder wrote.
+        progress: A tqdm progress bar on stderr: None draws it when stderr is a terminal;
+            True or False force it (no bar without tqdm).
+        cast: Convert safe dtype mismatches of the model's inputs (float64 to float32, int64 to
+            int32 when the values fit), as in :func:`~feeder.init_data_input_workers`.
+
+    Returns:
+        A :class:`PredictResult`: the rows in the output, those this call computed, the call's
+        seconds and the output's part files.
+
+    Raises:
+        ValueError: Before any row is computed: a model input or kept input the source lacks, an
+            output the model lacks, an output folder holding files feeder did not write, an
+            output of another source definition or model (unless ``overwrite``), an endless
+            source.
+        ImportError: pyarrow (the ``parquet`` extra) is missing.
+        FeederError: Writing failed (the original error is its ``__cause__``); the output stays
+            at its last commit, ready to be continued. A fetch failure, a bad chunk or a failing
+            model is re-raised as it came.
     """
     t0 = time.perf_counter()
     _import_pyarrow()
@@ -147,7 +181,7 @@ def _import_pyarrow() -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401
     except ImportError as e:
-        raise ImportError("feeder.predict writes Parquet and needs pyarrow: pip install 'feeder[parquet]' "
+        raise ImportError("feeder.predict writes Parquet and needs pyarrow: pip install 'onnx-feeder[parquet]' "
                           "(or pip install pyarrow)") from e
     return pyarrow
 

@@ -20,17 +20,30 @@ class ArraySource(ShardedSource):
     """Feed the rows of numpy arrays (``np.load(path, mmap_mode="r")`` ones too: only the rows
     of each unit are read, by slicing), sharded between every worker and replica.
 
-    ``arrays``: a dict input name -> array, or a list in input order; all of the same length
-    along axis 0. Units of work are blocks of ``block_rows`` (default 1024) consecutive rows;
-    ``shuffle`` permutes the blocks and the rows within each block, differently each epoch,
-    reproducibly from ``seed``. ``epochs=None`` repeats forever.
+    Units of work are blocks of ``block_rows`` consecutive rows, one per fetch.
 
-    Across hosts: ``shard=(rank, world_size)`` (or ``"env"``: ``RANK`` and ``WORLD_SIZE``) makes
-    this rank read its own part of every epoch, disjoint from the other ranks' (which need not
-    talk to it); ``equal_steps=True`` gives every rank the same number of rows per epoch (the
-    epoch's last ``rows % world_size`` rows are left out of it). ``shuffle_window=N`` mixes rows
-    of several blocks into each chunk (N rows held in all, split between the workers). See
-    :mod:`feeder.sources.sharding` and the guide ("Many hosts", "Shuffling").
+    Args:
+        arrays: ``{input name: array}``, or a list of arrays in input order; all of the same
+            length along axis 0. Numpy arrays, memory-mapped ones included (with worker
+            processes they travel as their file and offsets).
+        shuffle: Permute the blocks and the rows within each block, differently each epoch,
+            reproducibly from ``seed``.
+        seed: The shuffle's seed (an int >= 0).
+        epochs: Passes over the rows (>= 1); None repeats forever.
+        block_rows: Rows per unit of work (one fetch).
+        shard: ``(rank, world_size)``, or ``"env"`` for the ``RANK`` and ``WORLD_SIZE``
+            environment variables: this rank reads its own part of every epoch, disjoint from
+            the other ranks' (which need not talk to it). None: every row.
+        equal_steps: Every rank the same number of rows per epoch: the epoch's last
+            ``rows % world_size`` rows (fewer than the world size) are left out of it.
+        shuffle_window: Rows (in all, split between the source's workers) held from several
+            units, so that each chunk mixes them; None: a chunk is one unit. See the guide,
+            "Many hosts without Ray".
+
+    Raises:
+        TypeError: ``arrays`` is not a dict or a list of arrays; a bad argument type.
+        ValueError: Arrays of different lengths, or a bad argument value (a negative
+            ``seed``, a rank outside the world, fewer rows than ranks).
     """
 
     def __init__(self, arrays: Union[Mapping[str, Any], Sequence[Any]], *, shuffle: bool = False, seed: int = 0,
@@ -71,7 +84,12 @@ class ArraySource(ShardedSource):
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         """At registration: ValueError when the arrays do not match the inputs one to one (by name
-        when given as a dict, by count as a list), or for a ``resume`` state of other arrays."""
+        when given as a dict, by count as a list), or for a ``resume`` state of other arrays.
+
+        Args:
+            input_names: The registration's inputs.
+            resume: Its ``resume_from`` state, or None.
+        """
         if self.names is not None:
             missing = [n for n in input_names if n not in self.names]
             if missing:

@@ -20,7 +20,7 @@ def import_pyarrow(what: str = "ParquetSource") -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"{what} needs pyarrow: pip install 'feeder[parquet]' (or pip install pyarrow)") from e
+        raise ImportError(f"{what} needs pyarrow: pip install 'onnx-feeder[parquet]' (or pip install pyarrow)") from e
     return pyarrow
 
 

@@ -61,12 +61,17 @@ STATE_FORMAT = "feeder.source-state/1"
 class SourceBinding:
     """Who calls a source, handed to ``feeder_bind`` before any of its workers starts.
 
-    ``replicas``: the worker ids of each registration of the source that uses this fetch_fun
-    object, in registration order (one tuple per replica). ``resume``: the state passed as
-    ``resume_from`` (the same for every registration), or None. ``mp_context``: the
-    ``multiprocessing`` context whose worker processes call the object (that of the first
-    registration with ``num_worker_processes``), or None when only threads call it; state that
-    those processes must share (a counter) is made from it in ``feeder_bind``.
+    Attributes:
+        source_name: The source's name (``input_source_name``).
+        replicas: The worker ids of each registration of the source that uses this fetch_fun
+            object, in registration order (one tuple per replica).
+        input_names: The inputs the source feeds, in order.
+        ordered: Whether the registrations are ``ordered=True``.
+        resume: The state passed as ``resume_from`` (the same for every registration), or None.
+        mp_context: The ``multiprocessing`` context whose worker processes call the object (that
+            of the first registration with ``num_worker_processes``), or None when only threads
+            call it; state that those processes must share (a counter) is made from it in
+            ``feeder_bind``.
     """
 
     source_name: str
@@ -166,6 +171,11 @@ class ShardedSource:
     ``s`` of the table, has the key ``e * rows + s + i`` in epoch ``e``. Resuming drops the
     delivered rows from the sequence and deals what is left the same way, so an ordered run
     continues with exactly the rows it would have delivered.
+
+    Args:
+        shuffle: Shuffle the units and the rows within each unit, per epoch.
+        seed: The shuffle's seed (an int >= 0).
+        epochs: Passes over the table (>= 1); None: endless.
     """
 
     feeder_row_keys = True
@@ -376,7 +386,12 @@ class ShardedSource:
 
     # ---- the binding protocol ----
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
-        """At registration: ValueError for a ``resume`` state of another source definition."""
+        """At registration: ValueError for a ``resume`` state of another source definition.
+
+        Args:
+            input_names: The registration's inputs.
+            resume: Its ``resume_from`` state, or None.
+        """
         if resume is not None:
             check_state(resume, self._definition())
 
@@ -386,7 +401,17 @@ class ShardedSource:
 
     def feeder_bind(self, binding: SourceBinding) -> None:
         """At ``start()``: learn which workers call this source and plan the sequence of units,
-        less the rows that ``binding.resume`` says were delivered (see the class docstring)."""
+        less the rows that ``binding.resume`` says were delivered (see the class docstring); for a
+        sharded source, this rank's share of them (see :mod:`feeder.sources.sharding`).
+
+        Args:
+            binding: What feeder tells the source: its name, the workers of each replica, the
+                inputs, ``ordered``, the resume state and the worker processes' context.
+
+        Raises:
+            ValueError: ``binding.resume`` is a state of another source definition, or one
+                rank's state that cannot resume this rank (merge the ranks' states first).
+        """
         resume = binding.resume
         if resume is not None:
             check_state(resume, self._definition())

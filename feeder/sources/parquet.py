@@ -1,6 +1,6 @@
 """ParquetSource: columns of Parquet files as inputs, one row group per unit of work.
 
-pyarrow is an optional extra (``pip install 'feeder[parquet]'``); it is imported when a
+pyarrow is an optional extra (``pip install 'onnx-feeder[parquet]'``); it is imported when a
 ParquetSource is created, never by ``import feeder``.
 """
 from __future__ import annotations
@@ -67,6 +67,27 @@ class ParquetSource(ShardedSource):
     counts) and sizes. A file that changes after the source was created (its size or time
     stamp moved and its footer no longer matches) is a ValueError at ``start()`` or an
     InputValidationError at the first read of it, naming the file.
+
+    Args:
+        paths: A Parquet file, a folder (its ``.parquet`` and ``.parq`` files, recursively,
+            in sorted order), or a list of files and folders.
+        columns: ``{input name: column name}``; None: the columns named like the inputs.
+        shuffle: Shuffle the row groups and the rows within each, per epoch, from ``seed``.
+        seed: The shuffle's seed (an int >= 0).
+        epochs: Passes over the rows (>= 1); None repeats forever.
+        shard: ``(rank, world_size)``, or ``"env"`` for ``RANK`` and ``WORLD_SIZE``: this rank's
+            own part of every epoch (see ArraySource and the guide, "Many hosts without Ray").
+        equal_steps: Every rank the same number of rows per epoch (the epoch's last
+            ``rows % world_size`` rows left out of it).
+        shuffle_window: Rows (in all, split between the workers) held from several row groups,
+            so that each chunk mixes them; None: a chunk is one row group.
+
+    Raises:
+        ImportError: pyarrow (the ``parquet`` extra) is not installed.
+        ValueError: A column ``columns`` names that a file lacks; a folder without Parquet files;
+            a bad argument value.
+        FileNotFoundError: A path that does not exist.
+        TypeError: A bad argument type.
     """
 
     def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
@@ -121,7 +142,12 @@ class ParquetSource(ShardedSource):
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         """At registration: ValueError naming a column the files lack (None ``columns``: the columns
         named like the inputs), when ``columns`` does not map exactly the inputs, or for a
-        ``resume`` state of other files, columns or contents."""
+        ``resume`` state of other files, columns or contents.
+
+        Args:
+            input_names: The registration's inputs.
+            resume: Its ``resume_from`` state, or None.
+        """
         if self.columns is None:
             self._check_columns(input_names)
             self.columns = {n: n for n in input_names}
@@ -195,7 +221,11 @@ class ParquetSource(ShardedSource):
     # ---- the binding protocol ----
     def feeder_bind(self, binding: SourceBinding) -> None:
         """At ``start()``: ValueError naming a file that changed since the source was created;
-        then as :meth:`ShardedSource.feeder_bind`."""
+        then as :meth:`ShardedSource.feeder_bind`.
+
+        Args:
+            binding: What feeder tells the source (see :class:`SourceBinding`).
+        """
         for index in range(len(self.files)):
             changed = self._changed(index)
             if changed is not None:

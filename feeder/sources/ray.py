@@ -67,7 +67,7 @@ from .base import ROW_KEY, SourceBinding
 
 log = logging.getLogger("feeder")
 
-INSTALL_HINT = "pip install 'feeder[ray]' (or pip install 'ray[data]')"
+INSTALL_HINT = "pip install 'onnx-feeder[ray]' (or pip install 'ray[data]')"
 SLICE_S = 0.05          # longest single wait of a fetch call or a pump, so stop and stalls are seen
 PUMP_QUEUE = 2          # numpy batches a shard's pump holds ready ahead of its fetchers
 RELEASE_WAIT_S = 0.5    # release() lets pumps finish a call into Ray this long before killing the split actor
@@ -234,15 +234,23 @@ def _schema_names(schema: Any) -> Optional[List[str]]:
 class RayDataSource:
     """A fetch function reading a ``ray.data.Dataset``: one ``streaming_split`` shard per replica.
 
-    ``dataset``: a ``ray.data.Dataset``, split with ``streaming_split(n, equal=False)`` at every
-    ``start()``, n being the number of registrations (replicas) of the source; or a
-    ``ray.data.DataIterator`` (a shard made elsewhere, e.g. one of a driver's
-    ``streaming_split`` handed to this host), which all registrations then share.
-    ``columns``: dict input name -> column name; None: the columns named as the inputs.
-    ``batch_size``: rows per numpy batch taken from Ray (None: Ray's blocks as they come; feeder
-    rebatches anyway). ``prefetch_batches``: Ray's own prefetch per shard. ``stall_timeout``:
-    seconds a shard may wait on Ray for one batch before the source fails with
-    :class:`RayStallError` (a ``FetchError`` to consumers).
+    Use fetcher threads with it (``num_worker_processes`` is a TypeError at registration); it
+    cannot resume (a Ray Data stream has no row keys).
+
+    Args:
+        dataset: A ``ray.data.Dataset``, split with ``streaming_split(n, equal=False)`` at every
+            ``start()``, n being the number of registrations (replicas) of the source; or a
+            ``ray.data.DataIterator`` (a shard made elsewhere, e.g. one of a driver's
+            ``streaming_split`` handed to this host), which all registrations then share.
+        columns: ``{input name: column name}``; None: the columns named like the inputs.
+        batch_size: Rows per numpy batch taken from Ray; None: Ray's blocks as they come
+            (feeder rebatches anyway).
+        prefetch_batches: Ray's own prefetch per shard, in batches.
+        stall_timeout: Seconds a shard may wait on Ray for one batch before the source fails
+            with :class:`RayStallError` (a ``FetchError`` to consumers).
+
+    Raises:
+        ImportError: Ray Data (the ``ray`` extra) is not installed.
     """
 
     # Ray already runs the pipeline in its own processes; a shard iterator lives in this process.
@@ -394,14 +402,23 @@ class RayDataSource:
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         """At registration: columns for every input, present in the dataset (learned by running
         its first block when the plan does not know them, see the module docstring), and no
-        resume state."""
+        resume state.
+
+        Args:
+            input_names: The registration's inputs.
+            resume: Its ``resume_from`` state: must be None.
+        """
         if resume is not None:
             raise ValueError("RayDataSource cannot resume from a state: a Ray Data stream has no row keys "
                              "(run it again from the start, or checkpoint upstream of Ray)")
         self._check_columns(self._pairs([n for n in input_names if n != ROW_KEY]))
 
     def feeder_bind(self, binding: SourceBinding) -> None:
-        """Split the dataset, one shard per replica, and start a pump per shard (see the module doc)."""
+        """Split the dataset, one shard per replica, and start a pump per shard (see the module doc).
+
+        Args:
+            binding: What feeder tells the source (see :class:`~feeder.sources.SourceBinding`).
+        """
         if binding.resume is not None:
             raise ValueError(f"source {binding.source_name!r}: RayDataSource cannot resume from a state; Ray Data "
                              f"streams have no row keys (run it again from the start, or checkpoint upstream)")
