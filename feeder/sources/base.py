@@ -176,6 +176,11 @@ class ShardedSource:
         shuffle: Shuffle the units and the rows within each unit, per epoch.
         seed: The shuffle's seed (an int >= 0).
         epochs: Passes over the table (>= 1); None: endless.
+        shard: ``(rank, world_size)`` or ``"env"``: read this rank's part of every epoch only
+            (:mod:`feeder.sources.sharding`); None: every row.
+        equal_steps: With ``shard``, every rank the same number of rows per epoch.
+        shuffle_window: Rows held from several units to mix into each chunk (split between
+            the workers; :mod:`feeder.sources.window`); None: a chunk is one unit.
     """
 
     feeder_row_keys = True
@@ -543,13 +548,17 @@ class ShardedSource:
             raise StopIteration
         unit, epoch, positions = where
         order = self._row_order(epoch, unit)
-        if positions is None:
+        if positions is None and stored_order:
+            rows = np.arange(len(order), dtype=np.int64)
+            positions = np.empty_like(rows)
+            positions[order] = rows  # each row's place in the shuffled order: its key
+        elif positions is None:
             positions, rows = np.arange(len(order), dtype=np.int64), order
         else:
             rows = order[positions]
-        if stored_order and len(rows) > 1:
-            by_row = np.argsort(rows, kind="stable")
-            rows, positions = rows[by_row], positions[by_row]
+            if stored_order and len(rows) > 1:
+                by_row = np.argsort(rows, kind="stable")
+                rows, positions = rows[by_row], positions[by_row]
         arrays = self._read(unit, rows, worker_id)
         # A key numbers a row by its place in its unit's (shuffled) order, not by its row index:
         # rows are delivered in that order, so what a consumer got of a unit is a few key ranges

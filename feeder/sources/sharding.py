@@ -129,13 +129,22 @@ def is_complete(rec: Optional[Mapping[str, Any]]) -> bool:
 
 
 def merge_states(states: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
-    """One state from the states of every rank of a sharded source (each rank's
-    ``coord.state_dict(name)``): what any rank delivered counts as delivered. The result resumes
-    on any world size (``resume_from=`` on every new rank): rows no rank delivered are dealt once.
+    """One state from the states of every rank of a sharded source: what any rank delivered
+    counts as delivered. The result resumes on any world size (``resume_from=`` on every new
+    rank): rows no rank delivered are dealt once.
 
-    Raises ValueError when the states are not of one source definition, when a rank of their
-    world is missing or given twice (its rows would be delivered again, or the states are of two
-    runs), or when a state is not a feeder source state."""
+    Args:
+        states: Each rank's ``coord.state_dict(name)`` (its last checkpoint), every rank of
+            the world once, in any order.
+
+    Returns:
+        A state (JSON-serializable, as ``coord.state_dict`` gives) for ``resume_from``.
+
+    Raises:
+        ValueError: The states are not of one source definition, a rank of their world is
+            missing or given twice (its rows would be delivered again, or the states are of two
+            runs), or a state is not a feeder source state.
+    """
     from ..rowkeys import merge_ranges
     from .base import STATE_FORMAT, check_state, ranges_of
 
