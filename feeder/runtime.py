@@ -597,6 +597,11 @@ class PredictSession:
                       and not any(specs[n].is_string for n in self.model_inputs)
                       and all(d is not None for d in self._dtypes))
         self._local = threading.local()
+        # Whether the outputs were seen to have one row per input row at two row counts (the
+        # first batch's, see _check_rows). With a fixed batch dimension the count cannot vary:
+        # the signature and the per-batch row check are all there is.
+        self._rows_checked = self.fixed_batch is not None
+        self._check_lock = threading.Lock()
 
     # -- the session protocol feeder uses --
     def get_inputs(self) -> List[Any]:
@@ -622,6 +627,8 @@ class PredictSession:
         """In a consumer thread: run the model on ``batch``; returns ``outputs + kept + [row keys]``
         (the outputs are views of this thread's reused buffers)."""
         n = batch.rows
+        if not self._rows_checked:
+            self._check_rows(batch)
         rows = self.fixed_batch if self.fixed_batch is not None and n < self.fixed_batch else n
         if self._bind:
             got = self._run_bound(batch, rows, run_options)
@@ -636,6 +643,29 @@ class PredictSession:
         if rows != n:
             got = [g[:n] for g in got]
         return got + [batch.arrays[i] for i in self._kept_pos] + [batch.keys]
+
+    def _check_rows(self, batch: PreparedBatch) -> None:
+        """Once, on the first batch, before any output is returned (so before anything is written):
+        ValueError naming an output that does not have one row per input row. The model runs on
+        the batch's rows at two row counts (n and n - 1; 1 and 2 for a batch of one row), so that
+        an output whose length merely equals the batch size (a mean over the batch of a [n, n]
+        input, say) cannot pass."""
+        with self._check_lock:
+            if self._rows_checked:
+                return
+            arrays = [batch.arrays[i] for i in self._model_pos]
+            n = batch.rows
+            for k in ((n, n - 1) if n > 1 else (1, 2)):
+                feeds = {name: (a[:k] if k <= len(a) else np.concatenate([a, np.repeat(a[-1:], k - len(a), axis=0)]))
+                         for name, a in zip(self.model_inputs, arrays)}
+                got = self.session.run(self.outputs, feeds)
+                for name, g in zip(self.outputs, got):
+                    shape = getattr(g, "shape", None)
+                    if not shape or shape[0] != k:
+                        raise ValueError(f"model output {name!r} is not one value per row: {k} input rows gave it "
+                                         f"shape {shape} (a reduction over the batch?); feeder.predict writes per-row "
+                                         f"outputs (choose them with outputs=)")
+            self._rows_checked = True
 
     def _run_bound(self, batch: PreparedBatch, rows: int, run_options: Any) -> List[np.ndarray]:
         local = self._local

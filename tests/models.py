@@ -168,3 +168,40 @@ LOGISTIC_STATE = {"W_new": "W", "b_new": "b", "vW_new": "vW", "vb_new": "vb"}
 def logistic_zero_state(dim: int) -> dict:
     z = np.zeros(dim, np.float32)
     return {"W": z, "b": np.float32(0.0), "vW": z, "vb": np.float32(0.0)}
+
+
+def batch_mean_model(dim: "int | str" = 4, keepdims: int = 0) -> bytes:
+    """m = ReduceMean(x, axes=[0]) (opset 17: axes an attribute): one value per column over the
+    whole batch, not per row (what feeder.predict must refuse); x float32 [N, dim], m [dim]
+    (keepdims 0) or [1, dim] (1), and y = x * 2 [N, dim] beside it, per row. ``dim`` symbolic
+    ("D") leaves m's length unknown to the signature."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[0], keepdims=keepdims),
+             helper.make_node("Mul", ["x", "two"], ["y"])]
+    m_shape = ([1] if keepdims else []) + [dim]
+    graph = helper.make_graph(
+        nodes, "batch_mean",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dim])],
+        [helper.make_tensor_value_info("m", TensorProto.FLOAT, m_shape),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", dim])],
+        initializer=[numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two")])
+    return _model(graph)
+
+
+def save_with_external_data(model: bytes, path, location: str = "weights.bin", size_threshold: int = 44) -> None:
+    """Save ``model`` at ``path`` as big models are saved: the bytes of its initializers in the
+    file ``location`` beside it (``onnx.save_model(..., save_as_external_data=True)``). onnx
+    compares ``sys.getsizeof(raw_data)``, 33 bytes more than the data, with ``size_threshold``: 44
+    takes linear_model's W (48 bytes) and b (12) and keeps its 8-byte ``axes`` inline, as onnx's
+    default threshold (1 KiB) keeps shape tensors, which shape inference must read."""
+    import os
+
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    weights = os.path.join(os.path.dirname(str(path)), location)
+    if os.path.exists(weights):
+        os.remove(weights)  # onnx appends to an existing file (at other offsets): a retrained model replaces it
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=location,
+                    size_threshold=size_threshold)

@@ -2,6 +2,7 @@
 nulls, missing columns, empty files, and resume."""
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 
@@ -142,27 +143,107 @@ def write_scores(path, scores, row_group_size=10):
                    row_group_size=row_group_size)
 
 
-def test_a_state_of_other_data_with_the_same_files_and_row_groups_is_refused_from_the_footers(tmp_path):
-    """Other dtypes or other values under the same names and row groups: judged from the footers
-    (sizes, schemas, row groups and the used columns' statistics), without reading the data."""
+def write_reversed_row(path, scores, row):
+    """``scores`` with one row's values reversed (a list column): the same size, the same column
+    statistics, other data."""
+    vecs = np.stack([scores, scores + 1, scores + 2], axis=1)
+    vecs[row] = vecs[row][::-1]
+    pq.write_table(pa.table({"id": pa.array(np.arange(len(scores)), pa.int64()),
+                             "score": pa.FixedSizeListArray.from_arrays(pa.array(vecs.reshape(-1)), 3)}), path,
+                   row_group_size=10, compression="none", use_dictionary=False)
+
+
+def test_a_state_of_other_data_with_the_same_files_and_row_groups_is_refused_naming_the_file(tmp_path):
+    """Other dtypes or other values under the same names and row groups: the message names the
+    file and says what changed (its size, its footer: schema, row groups, the used columns'
+    statistics). With the default identity ("metadata") a file whose modification time moved is
+    another file, even when written again with the same contents (this test asserted, before
+    issue 26, that such a file resumed: it is now refused, and identity="content" resumes it)."""
     path = tmp_path / "s.parquet"
     write_scores(path, np.arange(30.0))
     before, state = consume(ParquetSource(path), inputs=["id", "score"], take=1, batch_size=4)
     coord = feeder.GlobalCoordinator()
     write_scores(path, np.arange(30.0).astype(np.float32) * 3)  # float32, other values, same row groups
-    with pytest.raises(ValueError, match=r"dtypes: the state has \{'id': 'int64', 'score': 'double'\}, this "
-                                         r"source \{'id': 'int64', 'score': 'float'\}.*footers"):
+    with pytest.raises(ValueError, match=r"files: 1 file\(s\) changed \(\d+ -> \d+ bytes, other schema, row groups "
+                                         r"or column statistics in its footer, modification time moved\): "
+                                         r"'s\.parquet'; dtypes: the state has \{'id': 'int64', 'score': "
+                                         r"'double'\}, this source \{'id': 'int64', 'score': 'float'\}"):
         feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
                                        resume_from=state)
-    write_scores(path, np.arange(30.0) + 0.5)  # float64 again, one value more in each: same size, other stats
-    with pytest.raises(ValueError, match="footers") as info:
+    write_scores(path, np.arange(30.0) + 0.5)  # float64 again, one value more in each: other stats
+    with pytest.raises(ValueError, match=r"1 file\(s\) changed \((\d+ -> \d+ bytes, )?other schema, row groups or "
+                                         r"column statistics in its footer, modification time moved\): "
+                                         r"'s\.parquet'") as info:
         feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
                                        resume_from=state)
     assert "dtypes" not in str(info.value)
-    write_scores(path, np.arange(30.0))  # the same data written again (a new mtime): resumes
-    rest, end = consume(ParquetSource(path), inputs=["id", "score"], resume=state, batch_size=4)
+    write_scores(path, np.arange(30.0))  # the same data written again: only its modification time moved
+    with pytest.raises(ValueError, match=r"1 file\(s\) changed \(only its modification time moved \(touched or "
+                                         r"copied\? a checkpoint written with identity='content' compares contents "
+                                         r"instead\)\): 's\.parquet'"):
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
+                                       resume_from=state)
+
+
+def test_identity_content_resumes_on_a_copy_and_refuses_other_bytes_of_the_same_size_and_statistics(tmp_path):
+    path = tmp_path / "v.parquet"
+    scores = np.arange(30.0)
+    write_reversed_row(path, scores, row=None)  # vecs[None] reverses nothing
+    before, state = consume(ParquetSource(path, identity="content"), inputs=["id", "score"], take=1, batch_size=4)
+    assert state["definition"]["identity"] == "content"
+    assert state["definition"]["files"][0]["version"].startswith("sha256:")
+    coord = feeder.GlobalCoordinator()
+    size = path.stat().st_size
+    write_reversed_row(path, scores, row=3)  # one row corrected: the same size and statistics
+    assert path.stat().st_size == size
+    with pytest.raises(ValueError, match=r"files: 1 file\(s\) changed \(other contents\): 'v\.parquet'"):
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path, identity="content"), 8,
+                                       coordinator=coord, resume_from=state)
+    # ... which the default identity refuses too (its modification time moved), naming it
+    _, meta_state = consume(ParquetSource(path), inputs=["id", "score"], take=1, batch_size=4)
+    write_reversed_row(path, scores, row=None)
+    with pytest.raises(ValueError, match=r"1 file\(s\) changed \(only its modification time moved .*\): "
+                                         r"'v\.parquet'"):
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
+                                       resume_from=meta_state)
+    # the same bytes copied elsewhere (another modification time): content identity resumes
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "v.parquet").write_bytes(path.read_bytes())
+    rest, end = consume(ParquetSource(copy / "v.parquet", identity="content"), inputs=["id", "score"], resume=state,
+                        batch_size=4)
     assert sorted(np.concatenate([b["id"] for b in before + rest]).tolist()) == list(range(30))
     assert end["rows_delivered"] == 30
+    # a state of one identity is not resumed by a source of the other: it cannot be checked
+    with pytest.raises(ValueError, match="identity: the state has 'content', this source 'metadata'"):
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8, coordinator=coord,
+                                       resume_from=state)
+    with pytest.raises(ValueError, match="identity must be one of"):
+        ParquetSource(path, identity="mtime")
+    with pytest.raises(TypeError, match="identity must be one of"):
+        ParquetSource(path, identity=None)
+
+
+def test_a_state_names_the_files_added_removed_and_changed(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    for i in range(14):
+        write_scores(d / f"f{i:02d}.parquet", np.arange(20.0) + i)
+    _, state = consume(ParquetSource(d), inputs=["id", "score"], take=1, batch_size=4)
+    (d / "f03.parquet").unlink()
+    for i in range(14, 27):
+        write_scores(d / f"f{i:02d}.parquet", np.arange(20.0) + i)
+    write_scores(d / "f05.parquet", np.arange(10.0))
+    with pytest.raises(ValueError) as info:
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(d), 8,
+                                       coordinator=feeder.GlobalCoordinator(), resume_from=state)
+    msg = str(info.value)
+    assert "1 file(s) removed (the state has them, this source does not): 'f03.parquet'" in msg
+    assert ("13 file(s) added (this source has them, the state has not): 'f14.parquet', 'f15.parquet', "
+            "'f16.parquet', 'f17.parquet', 'f18.parquet', 'f19.parquet', 'f20.parquet', 'f21.parquet', "
+            "'f22.parquet', 'f23.parquet' and 3 more") in msg
+    assert re.search(r"1 file\(s\) changed \(\d+ -> \d+ bytes, 20 -> 10 rows, .*\): 'f05\.parquet'", msg), msg
+    assert "..." not in msg
 
 
 def test_a_file_that_changed_after_the_source_was_created_is_named(tmp_path, coord):
@@ -183,11 +264,27 @@ def test_a_file_that_changed_after_the_source_was_created_is_named(tmp_path, coo
     write_scores(path, np.arange(20.0) * 2)
     with pytest.raises(feeder.InputValidationError, match=r"file '.*s\.parquet' changed since the ParquetSource"):
         src(0, 4)
-    # a file written again with the same contents (a new mtime only) is not a change
+    # A file written again with the same contents (a new mtime only) is a change under the default
+    # identity (before issue 26 it was accepted): the message says so and names the way out ...
     write_scores(path, np.arange(20.0))
     src.feeder_release()
+    with pytest.raises(ValueError, match=r"s\.parquet' changed since the ParquetSource was created \(its "
+                                         r"modification time moved, its size and footer did not: .*"
+                                         r"identity='content'"):
+        src.feeder_bind(SourceBinding("train", ((0,),), ("id", "score"), True, None))
+    # ... and not under identity="content", which compares the bytes when the time stamp moved
+    src = ParquetSource(path, identity="content")
+    src.feeder_validate(("id", "score"), None)
+    write_scores(path, np.arange(20.0))
     src.feeder_bind(SourceBinding("train", ((0,),), ("id", "score"), True, None))
     assert src(0, 4)[0].tolist() == list(range(10))
+    write_reversed_row(path, np.arange(20.0), row=None)
+    src = ParquetSource(path, identity="content")
+    src.feeder_validate(("id", "score"), None)
+    write_reversed_row(path, np.arange(20.0), row=2)  # other bytes, the same size and footer
+    with pytest.raises(ValueError, match=r"s\.parquet' changed since the ParquetSource was created \(other "
+                                         r"contents\)"):
+        src.feeder_bind(SourceBinding("train", ((0,),), ("id", "score"), True, None))
 
 
 @pytest.mark.parametrize("processes", [0, 2], ids=["threads", "processes"])
@@ -273,3 +370,23 @@ def test_parquet_source_in_worker_processes(files):
     ids = np.concatenate([b["id"] for b in got])
     assert Counter(ids.tolist()) == Counter({i: 2 for i in range(175)})
     assert all(b["name"].tolist() == [f"row{i}" for i in b["id"]] for b in got)
+
+
+def test_a_state_of_an_earlier_feeder_is_refused_saying_so_and_showing_no_hash(tmp_path):
+    """States written before issue 26 record files as [name, rows] and hashes of all footers."""
+    path = tmp_path / "s.parquet"
+    write_scores(path, np.arange(30.0))
+    _, state = consume(ParquetSource(path), inputs=["id", "score"], take=1, batch_size=4)
+    old = dict(state["definition"])
+    old.pop("identity")
+    old["files"] = [["s.parquet", 30]]
+    old["row_groups"], old["footers"] = "0123456789abcdef", "fedcba9876543210"
+    with pytest.raises(ValueError) as info:
+        feeder.init_data_input_workers(None, ["id", "score"], ParquetSource(path), 8,
+                                       coordinator=feeder.GlobalCoordinator(),
+                                       resume_from={**state, "definition": old})
+    msg = str(info.value)
+    assert ("files: 1 file(s) changed (no size or version recorded (a state of an earlier version of feeder)): "
+            "'s.parquet'") in msg
+    assert "row_groups: the state has a hash, this source has none" in msg
+    assert not re.search(r"[0-9a-f]{16}", msg), msg

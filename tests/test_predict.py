@@ -18,7 +18,7 @@ import pytest
 
 import feeder
 from feeder.errors import FetchError, InputValidationError
-from feeder.scoring.outputdir import LOCK_NAME, STATE_NAME, OutputDir
+from feeder.scoring.outputdir import LOCK_NAME, STATE_NAME, SUCCESS_NAME, OutputDir
 from feeder.scoring.partwriter import PartWriter
 from feeder.sources import ArraySource
 
@@ -26,7 +26,14 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("onnx")
 
-from models import linear_model, session, shapes_model, two_input_model  # noqa: E402
+from models import (  # noqa: E402
+    batch_mean_model,
+    linear_model,
+    save_with_external_data,
+    session,
+    shapes_model,
+    two_input_model,
+)
 from utils import wait_until  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -60,9 +67,11 @@ def our_files(output):
 
 
 def check_clean(output, parts):
-    """After a finished call: the parts, the state and the lock file, no temporary file."""
+    """After a finished call: the parts, the state, the lock file and the completion marker, no
+    temporary file."""
     names = our_files(output)
-    assert names == sorted([f"part-{i:05d}.parquet" for i in range(parts)] + [STATE_NAME, LOCK_NAME]), names
+    assert names == sorted([f"part-{i:05d}.parquet" for i in range(parts)] + [STATE_NAME, LOCK_NAME, SUCCESS_NAME]), \
+        names
     state = json.loads((Path(output) / STATE_NAME).read_text())
     assert state["complete"] is True
     return state
@@ -477,7 +486,21 @@ out, model, die = sys.argv[1], sys.argv[2], sys.argv[3]
 n = 6000
 x = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
 src = SlowSource({"x": x, "id": np.arange(n)}, shuffle=True, seed=1, block_rows=97)
-if die != "no":  # die at the k-th os.replace or os.fsync, before or after it: inside a commit
+overwrite = len(sys.argv) > 5 and sys.argv[5] == "overwrite"
+if die.startswith("marker:"):  # die before or after the completion marker is written or removed
+    from feeder.scoring.outputdir import OutputDir
+    _, which, when = die.split(":")
+    name = which + "_marker"
+    real_marker = getattr(OutputDir, name)
+
+    def dying_marker(self, *args, **kw):
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_marker(self, *args, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(OutputDir, name, dying_marker)
+elif die != "no":  # die at the k-th os.replace or os.fsync, before or after it: inside a commit
     what, k, when = die.split(":")
     k = int(k)
     real = getattr(os, what)
@@ -493,7 +516,8 @@ if die != "no":  # die at the k-th os.replace or os.fsync, before or after it: i
         return got
 
     setattr(os, what, dying)
-r = feeder.predict(model, src, out, batch_size=16, keep=["id"], rows_per_file=250, replicas=2, progress=False)
+r = feeder.predict(model, src, out, batch_size=16, keep=["id"], rows_per_file=250, replicas=2, progress=False,
+                   overwrite=overwrite)
 print("RESULT", r.rows, r.rows_computed, flush=True)
 '''
 
@@ -504,17 +528,17 @@ def _env():
     return env
 
 
-def _child(tmp_path, die="no", unit_s=0.05):
+def _child(tmp_path, die="no", unit_s=0.05, overwrite=False):
     return subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "out"),
-                             str(tmp_path / "m.onnx"), die, str(unit_s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                             str(tmp_path / "m.onnx"), die, str(unit_s), "overwrite" if overwrite else "no"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
 def _check_committed(output):
     """The invariant after any crash: the state reads, its parts exist whole, and its source state
     covers exactly as many rows as its parts hold."""
     state = json.loads((output / STATE_NAME).read_text())
-    assert state["complete"] is False
+    assert state["complete"] is False and not (output / SUCCESS_NAME).exists()
     for p in state["parts"]:
         assert (output / p["file"]).stat().st_size == p["bytes"]
         assert pq.read_metadata(str(output / p["file"])).num_rows == p["rows"]
@@ -576,6 +600,51 @@ def test_killed_at_random_moments_and_inside_commits_the_output_completes_with_e
     np.testing.assert_allclose(got["y"], want_y, rtol=1e-6, atol=1e-6)
 
 
+def _check_marker(output, n=6000):
+    """The marker's invariant after any crash: ``_SUCCESS`` is there only beside a complete state
+    whose parts are exactly the part files present and hold every row."""
+    state = json.loads((output / STATE_NAME).read_text())
+    if (output / SUCCESS_NAME).exists():
+        assert state["complete"] is True and state["rows"] == n
+        assert sorted(p["file"] for p in state["parts"]) == sorted(f for f in our_files(output)
+                                                                   if f.startswith("part-"))
+        assert pq.read_table(str(output)).num_rows == n
+    return state
+
+
+@pytest.mark.slow
+def test_killed_around_the_completion_marker_it_marks_only_a_complete_output(tmp_path):
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    out = tmp_path / "out"
+
+    def run(die="no", overwrite=False):
+        p = _child(tmp_path, die, overwrite=overwrite)
+        stdout, err = p.communicate(timeout=120)
+        if die == "no":
+            assert p.returncode == 0, err
+            return tuple(map(int, stdout.split("RESULT")[1].split()))
+        assert p.returncode == -signal.SIGKILL, err
+        return _check_marker(out)
+
+    state = run("marker:write:before")  # the final state is written, the marker not yet
+    assert state["complete"] is True and not (out / SUCCESS_NAME).exists()
+    assert run() == (6000, 0) and (out / SUCCESS_NAME).exists()  # finished: the marker written, nothing computed
+    (out / SUCCESS_NAME).unlink()
+    state = run("marker:write:after")
+    assert (out / SUCCESS_NAME).exists()
+    # an overwriting run: the marker goes first, before its fresh state
+    state = run("marker:remove:after", overwrite=True)
+    assert state["complete"] is True and not (out / SUCCESS_NAME).exists()
+    assert run() == (6000, 0) and (out / SUCCESS_NAME).exists()
+    state = run("replace:1:after", overwrite=True)  # its fresh state, no part yet; the old parts still there
+    assert state["parts"] == [] and not (out / SUCCESS_NAME).exists()
+    assert [f for f in our_files(out) if f.startswith("part-")]
+    assert run() == (6000, 6000)  # starts afresh (a state that commits no part), old parts deleted
+    state = check_clean(out, len(json.loads((out / STATE_NAME).read_text())["parts"]))
+    np.testing.assert_array_equal(read_sorted(out)["id"], np.arange(6000))
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 def test_the_command_line(tmp_path):
     n = 700
@@ -596,3 +665,379 @@ def test_the_command_line(tmp_path):
     assert again.returncode == 0 and again.stdout.startswith(f"{n} rows written, 0 computed, "), again.stderr
     bad = subprocess.run(cmd[:-1] + ["nope"], capture_output=True, text=True, env=_env(), timeout=120)
     assert bad.returncode == 2 and "outputs ['nope'] are not outputs of the model" in bad.stderr
+
+
+# ---- the model's identity: its external data files ------------------------------------------------------
+def test_external_data_locations_are_found_where_onnx_finds_them_without_reading_the_tensors(tmp_path):
+    import tracemalloc
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    from feeder.scoring.modelid import _CHILDREN, external_data_locations, model_identity
+
+    # the field numbers walked are onnx.proto's
+    kinds = {"model": onnx.ModelProto, "graph": onnx.GraphProto, "node": onnx.NodeProto,
+             "attribute": onnx.AttributeProto, "function": onnx.FunctionProto, "training": onnx.TrainingInfoProto,
+             "sparse": onnx.SparseTensorProto, "tensor": onnx.TensorProto}
+    for kind, fields in _CHILDREN.items():
+        numbers = {f.number: f.message_type.name for f in kinds[kind].DESCRIPTOR.fields if f.message_type}
+        for number, child in fields.items():
+            assert numbers[number] == kinds[child].DESCRIPTOR.name, (kind, number)
+    assert onnx.TensorProto.DESCRIPTOR.fields_by_name["external_data"].number == 13
+    # tensors in the main graph, in a subgraph (If) and in a Constant node's attribute, in two files
+    big = lambda v: numpy_helper.from_array(np.full((8, 8), v, np.float32), f"w{v}")  # noqa: E731
+    then = helper.make_graph([helper.make_node("Constant", [], ["t"], value=big(2))], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [8, 8])])
+    other = helper.make_graph([helper.make_node("Identity", ["w3"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [8, 8])], initializer=[big(3)])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["z"], then_branch=then, else_branch=other),
+         helper.make_node("Add", ["z", "w1"], ["out"])], "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [8, 8])], initializer=[big(1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = tmp_path / "m.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0,
+                    convert_attribute=True)
+    want = [t.external_data[0].value for t in _get_all_tensors(onnx.load(str(path), load_external_data=False))
+            if uses_external_data(t)]
+    assert sorted(want) == ["w1", "w2", "w3"]
+    assert sorted(external_data_locations(path.read_bytes())) == sorted(want)
+    identity = model_identity(path=str(path))
+    assert sorted(identity["external_data"]) == sorted(want)
+    assert model_identity(path=str(path)) == identity  # stable
+    # inline weights: nothing external, and the file is hashed in blocks, never held whole
+    inline = tmp_path / "inline.onnx"
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["o"])], "g", [],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, [8 << 20])],
+        initializer=[numpy_helper.from_array(np.ones(8 << 20, np.float32), "w")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    inline.write_bytes(model.SerializeToString())
+    del model
+    tracemalloc.start()
+    try:
+        assert "external_data" not in model_identity(path=str(inline))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # a 32 MiB model
+    with pytest.raises(ValueError):
+        external_data_locations(b"\xff\xff\xff")
+
+
+@pytest.mark.parametrize("given", ["path", "session"])
+def test_retrained_external_weights_between_a_crash_and_the_resume_are_refused_naming_the_file(tmp_path, given):
+    """A model saved with save_as_external_data: retraining rewrites its weights file and leaves
+    its .onnx file as it was; the resume must be refused, naming the weights file."""
+    n = 3000
+    x = data(n)
+    arrays = {"x": x, "id": np.arange(n)}
+    model = tmp_path / "model" / "m.onnx"
+    model.parent.mkdir()
+    save_with_external_data(linear_model(seed=0), model, "weights.bin")
+    graph_bytes = model.read_bytes()
+    out = tmp_path / "out"
+
+    def as_given():
+        return str(model) if given == "path" else session(str(model))
+
+    src = FailingArraySource(arrays, block_rows=100, fail_at=8, out=out, min_rows=300)
+    with pytest.raises(FetchError):
+        feeder.predict(as_given(), src, out, batch_size=50, keep=["id"], rows_per_file=100, replicas=1,
+                       num_worker_threads=1, progress=False)
+    state = json.loads((out / STATE_NAME).read_text())
+    assert state["rows"] >= 300 and state["model"]["external_data"].keys() == {"weights.bin"}
+    save_with_external_data(linear_model(seed=1), model, "weights.bin")  # retrained
+    assert model.read_bytes() == graph_bytes
+    again = FailingArraySource(arrays, block_rows=100, fail_at=10**9, out=out, min_rows=0)
+    with pytest.raises(ValueError, match=r"model external data file 'weights\.bin': other contents than when the "
+                                         r"output was written") as info:
+        feeder.predict(as_given(), again, out, batch_size=50, keep=["id"], progress=False)
+    assert "sha256" not in str(info.value)  # the .onnx file itself did not change
+    save_with_external_data(linear_model(seed=0), model, "weights.bin")  # the weights it was written with
+    result = feeder.predict(as_given(), again, out, batch_size=50, keep=["id"], progress=False)
+    assert result.rows == n and result.rows_computed == n - state["rows"]
+    got = read_sorted(out)
+    np.testing.assert_allclose(got["y"], session(linear_model(seed=0)).run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_file_that_is_not_an_onnx_model_is_a_value_error_naming_it(tmp_path):
+    bad = tmp_path / "m.onnx"
+    bad.write_text("not a model")
+    with pytest.raises(ValueError, match=r"model '.*m\.onnx' cannot be loaded by onnxruntime"):
+        feeder.predict(str(bad), ArraySource({"x": data(10)}), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- the inputs' identity: size, modification time, footer (or contents) per file ------------------------
+def write_features(path, x, ids, *, row_group_size=100):
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]),
+                             "id": pa.array(ids)}), str(path), row_group_size=row_group_size, compression="none",
+                   use_dictionary=False)
+
+
+class FailingParquetSource(feeder.sources.ParquetSource):
+    """A ParquetSource whose reads fail, once ``out`` has ``min_rows`` committed, from the
+    ``fail_at``-th on (the same type on both calls: it is part of the definition)."""
+
+    fail_at = 10**9
+    min_rows = 0
+    out = None
+
+    def _read(self, unit, rows, worker_id):
+        self.reads = getattr(self, "reads", 0) + 1
+        if self.reads >= self.fail_at:
+            wait_until(lambda: json.loads((self.out / STATE_NAME).read_text())["rows"] >= self.min_rows, timeout=20,
+                       what="committed rows")
+            raise OSError("disk read failed")
+        return super()._read(unit, rows, worker_id)
+
+
+@pytest.mark.parametrize("identity", ["metadata", "content"])
+def test_a_file_rewritten_with_the_same_size_and_statistics_is_refused_on_resume_naming_it(tmp_path, identity):
+    n = 2000
+    x = data(n)
+    d = tmp_path / "data"
+    d.mkdir()
+    write_features(d / "a.parquet", x[:1000], np.arange(1000))
+    write_features(d / "b.parquet", x[1000:], np.arange(1000, n))
+    out = tmp_path / "out"
+    src = FailingParquetSource(d, identity=identity)
+    src.fail_at, src.min_rows, src.out = 6, 200, out
+    with pytest.raises(FetchError):
+        feeder.predict(session(linear_model()), src, out, batch_size=50, keep=["id"], rows_per_file=100,
+                       replicas=1, num_worker_threads=1, progress=False)
+    committed = json.loads((out / STATE_NAME).read_text())["rows"]
+    assert committed >= 200
+    fixed = x[1000:].copy()
+    fixed[7] = fixed[7][::-1]  # one row corrected: its values reversed (the same size, the same statistics)
+    size = (d / "b.parquet").stat().st_size
+    write_features(d / "b.parquet", fixed, np.arange(1000, n))
+    assert (d / "b.parquet").stat().st_size == size
+    how = "only its modification time moved .*" if identity == "metadata" else "other contents"
+    with pytest.raises(ValueError, match=rf"source files: 1 file\(s\) changed \({how}\): 'b\.parquet'") as info:
+        feeder.predict(session(linear_model()), FailingParquetSource(d, identity=identity), out, batch_size=50,
+                       keep=["id"], progress=False)
+    assert "a.parquet" not in str(info.value)
+    if identity == "metadata":
+        assert "identity='content'" in str(info.value)
+    # the same bytes again (copied back: a new modification time): content identity resumes
+    write_features(d / "b.parquet", x[1000:], np.arange(1000, n))
+    if identity == "metadata":
+        with pytest.raises(ValueError, match=r"changed \(only its modification time moved .*\): 'b\.parquet'"):
+            feeder.predict(session(linear_model()), FailingParquetSource(d), out, batch_size=50, keep=["id"],
+                           progress=False)
+        return
+    result = feeder.predict(session(linear_model()), FailingParquetSource(d, identity=identity), out, batch_size=50,
+                            keep=["id"], progress=False)
+    assert result.rows == n and result.rows_computed == n - committed
+    np.testing.assert_array_equal(read_sorted(out)["id"], np.arange(n))
+
+
+def test_other_data_refusals_name_the_files_added_removed_and_changed_and_show_no_hash(tmp_path):
+    n = 100
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(30):
+        write_features(d / f"f{i:02d}.parquet", data(n, seed=i), np.arange(n) + n * i)
+    out = tmp_path / "out"
+    feeder.predict(session(linear_model()), feeder.sources.ParquetSource(d), out, keep=["id"], progress=False)
+    (d / "f04.parquet").unlink()
+    write_features(d / "f30.parquet", data(n, seed=30), np.arange(n) + 3000)
+    write_features(d / "f07.parquet", data(50, seed=7), np.arange(50) + 700)
+    with pytest.raises(ValueError) as info:
+        feeder.predict(session(linear_model()), feeder.sources.ParquetSource(d), out, keep=["id"], progress=False)
+    msg = str(info.value)
+    assert "source files: 1 file(s) removed (the output has them, this call does not): 'f04.parquet'" in msg
+    assert "1 file(s) added (this call has them, the output has not): 'f30.parquet'" in msg
+    assert re.search(r"1 file\(s\) changed \(\d+ -> \d+ bytes, 100 -> 50 rows, .*\): 'f07\.parquet'", msg), msg
+    assert not re.search(r"[0-9a-f]{16}", msg), msg  # no hash shown
+    assert "..." not in msg and "pass overwrite=True to start afresh" in msg
+
+
+# ---- outputs that are not one value per row ----------------------------------------------------------------
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_a_batch_reduction_output_is_refused_from_the_signature_before_anything_is_created(tmp_path, keepdims):
+    with pytest.raises(ValueError, match=r"model output 'm' has shape \[(1, )?4\]: its first dimension is fixed at "
+                                         r"[14] \(the batch dimension is free\), so it is not one value per row"):
+        feeder.predict(session(batch_mean_model(keepdims=keepdims)), ArraySource({"x": data(100)}),
+                       tmp_path / "out", batch_size=4)
+    assert not (tmp_path / "out").exists()
+    result = feeder.predict(session(batch_mean_model(keepdims=keepdims)), ArraySource({"x": data(100)}),
+                            tmp_path / "out", batch_size=4, outputs=["y"], progress=False)
+    assert result.rows == 100
+
+
+@pytest.mark.parametrize("batch_size", [4, 5, 1])
+def test_a_batch_reduction_the_signature_cannot_see_is_refused_at_the_first_batch_before_any_row_is_written(
+        tmp_path, batch_size):
+    """m's length is the symbolic "D" (4 here): at batch_size 4 its length equals the batch's, a
+    coincidence that a check at one row count would let through."""
+    runs = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def run(self, *args, **kw):
+            runs.append(1)
+            return self.inner.run(*args, **kw)
+
+    sess = session(batch_mean_model(dim="D"))
+    with pytest.raises(ValueError, match=r"model output 'm' is not one value per row: \d+ input rows gave it shape "
+                                         r"\(4,\)"):
+        feeder.predict(Counting(sess), ArraySource({"x": data(100)}), tmp_path / "out", batch_size=batch_size,
+                       replicas=2, progress=False)
+    assert not [f for f in our_files(tmp_path / "out") if "part-" in f]
+    # per-row outputs of the same model pass; the check runs the model twice, on the first batch only
+    runs.clear()
+    result = feeder.predict(Counting(sess), ArraySource({"x": data(100), "id": np.arange(100)}), tmp_path / "out",
+                            batch_size=batch_size, outputs=["y"], keep=["id"], replicas=2, progress=False)
+    assert result.rows == 100 and len(runs) == 2
+    np.testing.assert_allclose(read_sorted(tmp_path / "out")["y"], data(100) * 2)
+
+
+# ---- a refused run leaves nothing that blocks the next -------------------------------------------------------
+@pytest.mark.parametrize("bad", ["float64", "null", "rank"])
+def test_a_run_refused_for_bad_data_does_not_block_the_run_after_the_data_is_fixed(tmp_path, bad):
+    n = 500
+    x = data(n)
+    path = tmp_path / "in.parquet"
+    if bad == "float64":
+        write_features(path, x.astype(np.float64), np.arange(n))
+    elif bad == "null":
+        values = pa.array(x.reshape(-1), mask=np.arange(n * 4) == 1234)
+        pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(values, 4), "id": pa.array(np.arange(n))}),
+                       str(path), row_group_size=100)
+    else:
+        write_features(path, x.reshape(n, 2, 2).reshape(n, 4), np.arange(n))
+        pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(
+            pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 2), 2), "id": pa.array(np.arange(n))}),
+            str(path), row_group_size=100)
+    out = tmp_path / "out"
+    with pytest.raises(InputValidationError):
+        feeder.predict(session(linear_model()), feeder.sources.ParquetSource(path), out, batch_size=32, keep=["id"],
+                       progress=False)
+    assert not [f for f in our_files(out) if "part-" in f]
+    write_features(path, x, np.arange(n))  # the data fixed: the same call now runs, without overwrite
+    result = feeder.predict(session(linear_model()), feeder.sources.ParquetSource(path), out, batch_size=32,
+                            keep=["id"], progress=False)
+    assert (result.rows, result.rows_computed) == (n, n)
+    check_clean(out, 1)
+
+
+def test_a_state_that_commits_no_part_never_makes_a_call_refuse_other_data(tmp_path):
+    """Killed (SIGKILL) after its first state and before its first part: the next call, with
+    other data and another model, starts afresh rather than refusing."""
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    p = _child(tmp_path, "replace:1:after")  # the first os.replace is the fresh state's
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, err
+    state = json.loads((tmp_path / "out" / STATE_NAME).read_text())
+    assert state["parts"] == [] and state["rows"] == 0
+    n = 300
+    result = feeder.predict(session(linear_model(out_dim=5)), ArraySource({"x": data(n, seed=9)}), tmp_path / "out",
+                            progress=False)
+    assert (result.rows, result.rows_computed) == (n, n)
+    check_clean(tmp_path / "out", 1)
+
+
+# ---- an input file that is not Parquet -----------------------------------------------------------------------
+def test_a_truncated_or_non_parquet_input_file_is_named_at_creation_and_at_read(tmp_path):
+    from feeder.sources import ParquetSource
+
+    d = tmp_path / "data"
+    d.mkdir()
+    write_features(d / "good.parquet", data(300), np.arange(300))
+    (d / "notes.parquet").write_text("not Parquet at all")
+    with pytest.raises(ValueError, match=r"'.*notes\.parquet' is not a readable Parquet file"):
+        ParquetSource(d)
+    whole = (d / "good.parquet").read_bytes()
+    (d / "notes.parquet").write_bytes(whole[:len(whole) // 2])  # truncated
+    with pytest.raises(ValueError, match=r"'.*notes\.parquet' is not a readable Parquet file \(truncated, damaged or "
+                                         r"not Parquet\)"):
+        ParquetSource(d)
+    (d / "notes.parquet").unlink()
+    # damaged after the source was created, with its size and modification time kept: named at read
+    src = ParquetSource(d)
+    path = d / "good.parquet"
+    st = path.stat()
+    damaged = bytearray(whole)
+    damaged[8:400] = b"\x07" * 392  # the first data page's header
+    path.write_bytes(bytes(damaged))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(InputValidationError, match=r"Parquet file '.*good\.parquet', row group 0 cannot be read"):
+        feeder.predict(session(linear_model()), src, tmp_path / "out", keep=["id"], progress=False)
+
+
+# ---- an output folder inside the input folder ------------------------------------------------------------------
+def test_an_output_folder_inside_the_input_folder_is_refused_on_every_call(tmp_path):
+    from feeder.sources import ParquetSource
+
+    d = tmp_path / "data"
+    d.mkdir()
+    write_features(d / "a.parquet", data(100), np.arange(100))
+    for _ in range(2):  # two consecutive calls: the same refusal, nothing created
+        with pytest.raises(ValueError, match=r"output '.*data/scores' is inside the input folder '.*data': the next "
+                                             r"call would read the output's part files as input"):
+            feeder.predict(session(linear_model()), ParquetSource(d), d / "scores", keep=["id"], progress=False)
+        assert os.listdir(d) == ["a.parquet"]
+    with pytest.raises(ValueError, match="is inside the input folder"):
+        feeder.predict(session(linear_model()), ParquetSource(d), d, keep=["id"], progress=False)
+    with pytest.raises(ValueError, match=r"input file '.*a\.parquet' is inside the output folder"):
+        feeder.predict(session(linear_model()), ParquetSource(d / "a.parquet"), d, keep=["id"], progress=False)
+    (tmp_path / "link").symlink_to(d)
+    with pytest.raises(ValueError, match="is inside the input folder"):
+        feeder.predict(session(linear_model()), ParquetSource(tmp_path / "link"), d / "scores", keep=["id"],
+                       progress=False)
+    assert feeder.predict(session(linear_model()), ParquetSource(d), tmp_path / "scores", keep=["id"],
+                          progress=False).rows == 100
+
+
+# ---- the completion marker ---------------------------------------------------------------------------------------
+def test_success_marks_a_complete_output_only_and_a_stray_one_does_not_block(tmp_path):
+    n = 4000
+    x = data(n)
+    sess = session(linear_model())
+    arrays = {"x": x, "id": np.arange(n)}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SUCCESS_NAME).write_text("")  # stray, in an empty folder: no refusal, and gone once a run writes
+    src = FailingArraySource(arrays, block_rows=100, fail_at=12, out=out, min_rows=600)
+    with pytest.raises(FetchError):
+        feeder.predict(sess, src, out, batch_size=16, keep=["id"], rows_per_file=300, replicas=2,
+                       num_worker_threads=1, progress=False)
+    assert not (out / SUCCESS_NAME).exists()
+    (out / SUCCESS_NAME).write_text("")  # stray, beside a partial output: removed before any new part
+    removed_first = []
+    real = OutputDir.publish_part
+
+    def publish(self, index, durable=True):
+        removed_first.append(not (out / SUCCESS_NAME).exists())
+        return real(self, index, durable)
+
+    OutputDir.publish_part = publish
+    try:
+        again = FailingArraySource(arrays, block_rows=100, fail_at=10**9, out=out, min_rows=0)
+        result = feeder.predict(sess, again, out, batch_size=16, keep=["id"], rows_per_file=300, progress=False)
+    finally:
+        OutputDir.publish_part = real
+    assert result.rows == n and removed_first and all(removed_first)
+    check_clean(out, len(result.files))
+    # readers check it: present exactly when the state says complete
+    assert json.loads((out / STATE_NAME).read_text())["complete"] is True
+    # overwrite removes it before anything else, and writes it again at the end
+    feeder.predict(sess, ArraySource({"x": x}), out, overwrite=True, progress=False)
+    assert (out / SUCCESS_NAME).exists() and pq.read_table(str(out)).num_rows == n
+    # a finished output whose marker a crash left out: the next call writes it, computing nothing
+    (out / SUCCESS_NAME).unlink()
+    assert feeder.predict(sess, ArraySource({"x": x}), out, progress=False).rows_computed == 0
+    assert (out / SUCCESS_NAME).exists()

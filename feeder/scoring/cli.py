@@ -3,18 +3,22 @@
 Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
-                   [--threads N] [--replicas N] [--rows-per-file N] [--overwrite] [--no-progress]
+                   [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--identity content]
+                   [--overwrite] [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
 inputs plus the kept ones (columns named like them). Prints one line: rows written, rows computed,
-seconds, rows/s. Exit status 0 on success, 2 for bad arguments or a refused output (the message
-says why), 1 for a failure while running, 130 on Ctrl-C (the output stays resumable).
+seconds, rows/s. Exit status 0 on success; 2 for a refusal (bad arguments, a model or data file
+that cannot be read, an output that is refused or cannot be written, a full disk), one line on
+stderr in the command line's terms; 1 for a failure while running (the output stays resumable);
+130 on Ctrl-C (the output stays resumable).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 
 def _split(values: Optional[Sequence[str]]) -> List[str]:
@@ -22,25 +26,101 @@ def _split(values: Optional[Sequence[str]]) -> List[str]:
     return [n.strip() for v in values or () for n in v.split(",") if n.strip()]
 
 
+def _count(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="feeder predict",
                                 description="Run an ONNX model over a Parquet table into a Parquet dataset, every row "
-                                            "exactly once; run it again after a crash to continue.")
+                                            "exactly once; run it again after a crash to continue. The output is "
+                                            "complete when it holds _SUCCESS.")
     p.add_argument("model", help="ONNX model file")
     p.add_argument("data", help="Parquet file or folder (columns named like the model's inputs and the kept ones)")
-    p.add_argument("output", help="output folder (part-*.parquet files and the state)")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per model run (default 256)")
+    p.add_argument("output", help="output folder (part-*.parquet files, the state, _SUCCESS once complete); "
+                                  "not inside DATA")
+    p.add_argument("--batch-size", type=_count(1), default=256, help="rows per model run (default 256)")
     p.add_argument("--outputs", action="append", help="model outputs to write, comma-separated (default: all)")
     p.add_argument("--keep", action="append", help="input columns to write beside the outputs, comma-separated")
-    p.add_argument("--processes", type=int, default=0, help="worker processes per replica reading the data "
-                                                            "(default 0: threads)")
-    p.add_argument("--threads", type=int, default=2, help="fetcher threads per replica (default 2)")
-    p.add_argument("--replicas", type=int, default=None, help="threads running the model (default: one per core)")
-    p.add_argument("--rows-per-file", type=int, default=262_144, help="rows per part file (default 262144)")
+    p.add_argument("--processes", type=_count(0), default=0, help="worker processes per replica reading the data "
+                                                                  "(default 0: threads)")
+    p.add_argument("--threads", type=_count(1), default=2, help="fetcher threads per replica (default 2)")
+    p.add_argument("--replicas", type=_count(1), default=None, help="threads running the model (default: one per "
+                                                                    "core)")
+    p.add_argument("--rows-per-file", type=_count(1), default=262_144, help="rows per part file (default 262144)")
+    p.add_argument("--cast", action="store_true", help="convert columns to the model's input types where that is "
+                                                       "safe (float64 to float32, int64 to int32 when the values fit)")
+    p.add_argument("--identity", choices=("metadata", "content"), default="metadata",
+                   help="how an input file is known again when a run continues: metadata (default: size, "
+                        "modification time and footer) or content (a SHA-256 of its bytes, read whole: for data "
+                        "copied between machines)")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
     return p
+
+
+def _names(match: "re.Match[str]") -> str:
+    """``['a', 'b']`` -> ``a,b``."""
+    return ",".join(re.findall(r"'([^']*)'", match.group(1)))
+
+
+# How feeder.predict's messages name its keyword arguments -> the options of this command.
+_CLI_TERMS: List[Tuple[str, Union[str, Callable[["re.Match[str]"], str]]]] = [
+    (r"\boverwrite=True", "--overwrite"),
+    (r"\bbatch_size=(\d+)", r"--batch-size \1"),
+    (r"\bbatch_size\b", "--batch-size"),
+    (r"\brows_per_file\b", "--rows-per-file"),
+    (r"\bnum_worker_processes\b", "--processes"),
+    (r"\bnum_worker_threads\b", "--threads"),
+    (r"\breplicas=(\d+)", r"--replicas \1"),
+    (r"\bcast=True", "--cast"),
+    (r"\bidentity=['\"](\w+)['\"]", r"--identity \1"),
+    (r"\b(?:keep|outputs)=(\[[^\]]*\])", lambda m: f"--{m.group(0).split('=')[0]} {_names(m)}"),
+    (r"\b(keep|outputs)=", r"--\1"),
+    (r"\bfeeder\.predict(?![/\w])", "feeder predict"),
+]
+
+
+def cli_terms(message: str) -> str:
+    """A message of :func:`feeder.predict` in this command's terms (``--overwrite``, not
+    ``overwrite=True``), on one line."""
+    text = " ".join(message.split())
+    for pattern, repl in _CLI_TERMS:
+        text = re.sub(pattern, repl, text)
+    return text
+
+
+def _exit_status(e: BaseException) -> Optional[int]:
+    """2 for a refusal, 1 for a failure while running, None for a bug (its traceback is shown)."""
+    from feeder.errors import FeederError, FetchError
+
+    if isinstance(e, (ValueError, TypeError, OSError, ImportError)):
+        return 2
+    if isinstance(e, FeederError):
+        # Writing the output failed for a reason the user must fix (a full disk, a folder made
+        # read-only): a refusal, like the same error at the start.
+        return 2 if isinstance(e.__cause__, OSError) and not isinstance(e, FetchError) else 1
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    text = str(e)
+    cause = e.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {cause})"
+    return text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -50,17 +130,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     outputs = _split(args.outputs) or None
     try:
-        source = ParquetSource(args.data)
+        source = ParquetSource(args.data, identity=args.identity)
         result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,
-                                overwrite=args.overwrite, progress=False if args.no_progress else None)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"feeder predict: error: {e}", file=sys.stderr)
-        return 2
+                                cast=args.cast, overwrite=args.overwrite,
+                                progress=False if args.no_progress else None)
     except KeyboardInterrupt:
         print("feeder predict: interrupted; run the same command again to continue", file=sys.stderr)
         return 130
+    except Exception as e:
+        status = _exit_status(e)
+        if status is None:
+            raise
+        from feeder.errors import FeederError
+
+        # Stopped while running (not refused at the start): what was committed stays.
+        running = isinstance(e, FeederError) and not isinstance(e, ValueError)
+        again = "; the output keeps what was committed: run the same command again to continue" if running else ""
+        print(f"feeder predict: {'error' if status == 2 else 'failed'}: {cli_terms(_describe(e))}{again}",
+              file=sys.stderr)
+        return status
     print(f"{result.rows} rows written, {result.rows_computed} computed, {result.seconds:.2f} s, "
           f"{result.rows_per_s:.0f} rows/s")
     return 0

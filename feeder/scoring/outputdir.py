@@ -6,6 +6,8 @@ An output directory holds::
     _feeder_predict.json          the state: the committed parts, and the source state that covers
                                   exactly their rows (see feeder.predict)
     _feeder_predict.lock          locked (flock) while a predict call writes here
+    _SUCCESS                      present only while the output is complete (as Spark and Hadoop
+                                  mark a finished job's output)
     .part-00007.parquet.tmp       a part being written
     _feeder_predict.json.tmp      a state being written
 
@@ -18,6 +20,12 @@ then the state that lists it is written to a temporary file, fsynced and renamed
 state (``os.replace`` is atomic), and the directory fsynced again. A crash at any instant leaves
 the last state intact; what it does not list (temporary files, a part renamed but not yet in the
 state) was never committed and is deleted by :meth:`OutputDir.recover` before the next run.
+
+The completion marker ``_SUCCESS`` is written (fsynced, and the directory fsynced) after the
+state that says the output is complete, and deleted (durably) before a call writes anything else:
+before the first state or part of a resumed, continued or overwriting run. So at any instant,
+a folder holding ``_SUCCESS`` holds exactly the complete output its state lists; a reader checks
+for it before reading. A ``_SUCCESS`` alone (copied, or left by hand) is ours to delete.
 
 Only our own names are ever deleted: a directory holding anything else is refused (ValueError),
 and a directory holding part files but no state was not written by ``feeder.predict`` (the state
@@ -39,6 +47,7 @@ except ImportError:  # pragma: no cover - not on POSIX: no lock, the rest works
 STATE_NAME = "_feeder_predict.json"
 STATE_TMP = STATE_NAME + ".tmp"
 LOCK_NAME = "_feeder_predict.lock"
+SUCCESS_NAME = "_SUCCESS"
 PART_RE = re.compile(r"part-(\d{5,})\.parquet\Z")
 TMP_PART_RE = re.compile(r"\.part-(\d{5,})\.parquet\.tmp\Z")
 
@@ -82,6 +91,7 @@ class Listing:
     temporary: List[str] = field(default_factory=list)    # our temporary files
     foreign: List[str] = field(default_factory=list)      # anything that is not ours
     state: bool = False
+    success: bool = False                                 # the completion marker is there
 
 
 class OutputDir:
@@ -137,6 +147,8 @@ class OutputDir:
                 found.parts[int(m.group(1))] = name
             elif name == STATE_NAME and os.path.isfile(self.join(name)):
                 found.state = True
+            elif name == SUCCESS_NAME and os.path.isfile(self.join(name)):
+                found.success = True
             elif (name == STATE_TMP or TMP_PART_RE.match(name)) and os.path.isfile(self.join(name)):
                 found.temporary.append(name)
             elif name != LOCK_NAME:
@@ -179,6 +191,27 @@ class OutputDir:
         if durable:
             fsync_dir(self.path)
         return os.path.getsize(final)
+
+    def write_marker(self, durable: bool = True) -> None:
+        """Mark the output complete: an empty ``_SUCCESS``, fsynced, and the directory fsynced."""
+        path = self.join(SUCCESS_NAME)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if durable:
+            fsync_dir(self.path)
+
+    def remove_marker(self, durable: bool = True) -> None:
+        """Unmark the output (before anything else of a run is written); durable once it returns."""
+        try:
+            os.remove(self.join(SUCCESS_NAME))
+        except FileNotFoundError:
+            return
+        if durable:
+            fsync_dir(self.path)
 
     def remove(self, names: List[str]) -> None:
         for name in names:

@@ -19,12 +19,13 @@ committed parts and holds a source state (``feeder.source-state/1``, as ``coord.
 gives it) whose delivered rows are exactly the rows in those parts: it is built from the row keys
 of each part as the part is committed, never from what the replicas were handed. Calling again
 with the same arguments resumes from it (``resume_from=``): committed rows are not fetched
-again, everything else is. The state also records a fingerprint of the model and the options that
-shape the output, so that an output is never continued with another model or other columns.
+again, everything else is. The state also records a fingerprint of the model (its signature, and
+hashes of its bytes and external data files: :mod:`~feeder.scoring.modelid`) and the options that
+shape the output, so that an output is never continued with another model or other columns. A
+state that commits no part is never held against a call: it holds nothing to lose.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import os
@@ -49,7 +50,8 @@ from ..runtime import (
     session_model_bytes,
     session_model_path,
 )
-from ..sources.base import ROW_KEY, ShardedSource, jsonish, ranges_of
+from ..sources.base import ROW_KEY, ShardedSource, definition_differences, jsonish, ranges_of
+from .modelid import model_identity
 from .outputdir import PART_RE, STATE_NAME, OutputDir
 from .partwriter import CommittedPart, PartWriter
 
@@ -104,7 +106,8 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     off; on a finished output it returns at once (``rows_computed == 0``). Rows are written in no
     particular order: keep an id to join them to their inputs. Needs pyarrow (the ``parquet``
     extra). ``_durable=False`` skips the fsyncs and the per-part state (for benchmarks that
-    measure what the commits cost; not crash-safe).
+    measure what the commits cost; not crash-safe). The output holds ``_SUCCESS`` exactly when
+    it is complete.
 
     Args:
         model: A path to an ONNX file (loaded on the CPU with one intra-op thread and shared by
@@ -138,10 +141,13 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
         seconds and the output's part files.
 
     Raises:
-        ValueError: Before any row is computed: a model input or kept input the source lacks, an
-            output the model lacks, an output folder holding files feeder did not write, an
-            output of another source definition or model (unless ``overwrite``), an endless
-            source.
+        ValueError: Before any row is computed: a model file onnxruntime cannot load, a model
+            input or kept input the source lacks, an output the model lacks or one that is not
+            one value per row (from the signature, or at the first batch before any row is
+            written), an output folder holding files feeder did not write or inside a folder a
+            ``ParquetSource`` reads, an output of another source definition or model (unless
+            ``overwrite``; the message names the files, inputs, outputs or external data files
+            that differ), an endless source.
         ImportError: pyarrow (the ``parquet`` extra) is missing.
         FeederError: Writing failed (the original error is its ``__cause__``); the output stays
             at its last commit, ready to be continued. A fetch failure, a bad chunk or a failing
@@ -155,10 +161,11 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
-    session, model_hash = _open_model(model)
+    session, identity = _open_model(model)
     plan = _Plan.make(session, source, outputs, keep, batch_size)
-    fingerprint = {**model_signature(session), "sha256": model_hash}
+    fingerprint = {**model_signature(session), **identity}
     options = {"outputs": plan.outputs, "keep": plan.keep}
+    _refuse_output_in_input(source, output)
     out = OutputDir(output)
     out.open()
     try:
@@ -228,30 +235,29 @@ def _cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _open_model(model: Any) -> Tuple[Any, Optional[str]]:
-    """(session, sha256 of the model's bytes when known)."""
+def _open_model(model: Any) -> Tuple[Any, Dict[str, Any]]:
+    """(session, the model's identity: see :func:`~feeder.scoring.modelid.model_identity`; empty
+    for a session that keeps neither its bytes nor its file's path)."""
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such ONNX model file: {path!r}")
         import_onnxruntime()
-        return load_session(path), _sha256_file(path)
+        try:
+            session = load_session(path)
+        except Exception as e:  # onnxruntime's own exception types (Fail, InvalidProtobuf...) derive from Exception
+            text = " ".join(str(e).split())
+            raise ValueError(f"model {path!r} cannot be loaded by onnxruntime (is it an ONNX model, with its external "
+                             f"data files beside it?): {text}") from e
+        return session, model_identity(path=path)
     if isinstance(model, bytes) or not is_session(model) or not callable(getattr(model, "get_outputs", None)):
         raise TypeError(f"model must be a path to an ONNX file or an onnxruntime.InferenceSession, "
                         f"got {type(model).__name__}")
     data = session_model_bytes(model)
     if data is not None:
-        return model, hashlib.sha256(data).hexdigest()
+        return model, model_identity(data=data)
     path = session_model_path(model)
-    return model, _sha256_file(path) if path is not None and os.path.isfile(path) else None
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return model, model_identity(path=path) if path is not None and os.path.isfile(path) else {}
 
 
 @dataclass
@@ -302,6 +308,17 @@ class _Plan:
         if adapter.fixed_batch is not None and batch_size != adapter.fixed_batch:
             raise ValueError(f"the model's batch dimension is fixed at {adapter.fixed_batch} rows; pass "
                              f"batch_size={adapter.fixed_batch} (a short last batch is padded, never dropped)")
+        for n in out_names:
+            # Where the signature decides: a first dimension fixed at a size that cannot be the
+            # batch's. Otherwise the first batch decides (PredictSession checks it at two row counts).
+            shape = getattr(model_outputs[n], "shape", None)
+            first = shape[0] if shape else None
+            if isinstance(first, int) and first != adapter.fixed_batch:
+                batch = ("the batch dimension is free" if adapter.fixed_batch is None
+                         else f"the batch is {adapter.fixed_batch} rows")
+                raise ValueError(f"model output {n!r} has shape {list(shape or ())}: its first dimension is fixed at "
+                                 f"{first} ({batch}), so it is not one value per row (a reduction over the batch?); "
+                                 f"feeder.predict writes per-row outputs (choose them with outputs=)")
         return cls(adapter, feed_names, out_names, kept, bool(getattr(source, "feeder_row_keys", False)))
 
 
@@ -336,6 +353,26 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
         validate(tuple(feed_names), None)
 
 
+def _refuse_output_in_input(source: Any, output: PathLike) -> None:
+    """ValueError when the output folder is inside (or is) a folder a ``ParquetSource`` reads, or
+    holds one of its files: the output's parts are Parquet files, so the next call's source would
+    read them as input (and this output would hold files that are not ours)."""
+    from ..sources.parquet import ParquetSource
+
+    if not isinstance(source, ParquetSource):
+        return
+    out = os.path.realpath(os.fspath(output))
+    for root in source.roots:
+        real = os.path.realpath(root)
+        if os.path.isdir(real) and (out == real or out.startswith(real + os.sep)):
+            raise ValueError(f"output {os.fspath(output)!r} is inside the input folder {root!r}: the next call would "
+                             f"read the output's part files as input; choose an output folder outside it")
+    for path, _ in source.files:
+        if os.path.realpath(path).startswith(out + os.sep):
+            raise ValueError(f"input file {path!r} is inside the output folder {os.fspath(output)!r}; choose an output "
+                             f"folder that holds no input")
+
+
 # ---- the job -----------------------------------------------------------------------------------------
 class _Job:
     """One call's work on one output directory: check and recover it, run, commit."""
@@ -359,7 +396,8 @@ class _Job:
 
     # -- before anything runs --
     def prepare(self, overwrite: bool) -> bool:
-        """Check the output directory and its state; True when it is already complete."""
+        """Check the output directory and its state; True when it is already complete (and then
+        marked so: its ``_SUCCESS`` written if a crash left it out)."""
         found = self.out.scan()
         self.out.refuse_foreign(found)  # again, now under the lock
         if not found.state:
@@ -371,7 +409,17 @@ class _Job:
         if overwrite:
             return False  # start afresh: run() replaces the state, then removes the old parts
         state = self.out.read_state()
-        self._check_state(state)
+        if state.get("parts") == [] and not state.get("rows"):
+            # A state that commits no part (a run refused for bad data, or killed before its first
+            # commit) holds nothing to lose: it never makes a call refuse "other data".
+            try:
+                self._check_state(state)
+            except ValueError as e:
+                log.info("feeder.predict: %s: its state commits no part and does not match this call (%s); "
+                         "starting afresh", self.out.path, e)
+                return False
+        else:
+            self._check_state(state)
         self.parts = list(state["parts"])
         self.rows = int(state["rows"])
         self.resume = state["source"]
@@ -382,7 +430,10 @@ class _Job:
             raise ValueError(f"output {self.out.path!r} holds {self.rows} rows, more than this source's {total} "
                              f"(fewer epochs?); pass overwrite=True to start afresh (it removes that output)")
         # Complete only while the source has no more rows: a source given more epochs continues.
-        return bool(state.get("complete")) and (total is None or self.rows == total)
+        finished = bool(state.get("complete")) and (total is None or self.rows == total)
+        if finished and not found.success:
+            self.out.write_marker(durable=self.durable)  # a crash between the final state and its marker
+        return finished
 
     def _check_state(self, state: Dict[str, Any]) -> None:
         where = f"output {self.out.path!r}"
@@ -396,7 +447,7 @@ class _Job:
         if not self.plan.keyed:
             raise ValueError(f"{where} exists, and this source ({type(self.source).__name__}) has no row keys, so it "
                              f"cannot continue it; {afresh}")
-        diffs = _differences("model", state.get("model") or {}, self.fingerprint)
+        diffs = _model_differences(state.get("model") or {}, self.fingerprint)
         diffs += _differences("option", state.get("options") or {}, self.options)
         src = state.get("source")
         if not isinstance(src, dict) or src.get("format") is None:
@@ -435,8 +486,11 @@ class _Job:
             coord.stop()
             raise
         try:
-            # Only now is anything written: a fresh state before the first part (a directory with parts
-            # and no state is never ours), then whatever the state does not commit is deleted.
+            # Only now is anything written. First the completion marker goes (durably), before any
+            # part or state of this run: a folder with _SUCCESS is always a complete output. Then a
+            # fresh state before the first part (a directory with parts and no state is never
+            # ours), then whatever the state does not commit is deleted.
+            self.out.remove_marker(durable=self.durable)
             if self._fresh:
                 self.parts, self.rows, self._ranges = [], 0, np.zeros((0, 2), np.int64)
                 self.out.write_state(self._state(complete=False), durable=self.durable)
@@ -482,6 +536,8 @@ class _Job:
                                   f"{expected} short of its {len(self.source)} rows x {self.source.epochs} epochs")
         if self.durable or final:
             self.out.write_state(self._state(complete=final), durable=self.durable)
+        if final:
+            self.out.write_marker(durable=self.durable)  # after the state that says it is complete
 
     def _state(self, complete: bool) -> Dict[str, Any]:
         src = None
@@ -496,27 +552,35 @@ def _part_index(name: str) -> int:
     return int(name[len("part-"):-len(".parquet")])
 
 
-def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any], depth: int = 1) -> List[str]:
-    """``what key: the output has X, this call Y`` for every key whose values differ (as JSON sees
-    them), going ``depth`` levels into dicts so that the message names the input or output that
-    differs. A model hash that one side does not know is not compared."""
-    out = []
-    for key in sorted(set(theirs) | set(mine)):
-        a, b = jsonish(theirs.get(key)), jsonish(mine.get(key))
-        if key == "sha256" and (a is None or b is None):
-            continue
-        if a == b:
-            continue
-        if depth > 0 and isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(f"{what} {key}", a, b, depth - 1)
-        else:
-            out.append(f"{what} {key}: the output has {_short(a)}, this call {_short(b)}")
+def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any]) -> List[str]:
+    """``what key: the output has X, this call Y`` for every entry that differs, one level into
+    dicts (so that a message names the input, output or column that differs); files are named
+    (added, removed, changed and how), hashes are said to differ, never shown (see
+    :func:`~feeder.sources.base.definition_differences`)."""
+    return definition_differences(theirs, mine, theirs_has="the output has", mine_has="this call", depth=1,
+                                  prefix=f"{what} ")
+
+
+def _model_differences(theirs: Dict[str, Any], mine: Dict[str, Any]) -> List[str]:
+    """What differs between the model that wrote an output and this call's: its inputs' and
+    outputs' types and shapes, its bytes, its external data files (by name). A hash one side does
+    not know (a session that kept neither its bytes nor its path) is not compared."""
+    out = _differences("model", {k: theirs.get(k) for k in ("inputs", "outputs")},
+                       {k: mine.get(k) for k in ("inputs", "outputs")})
+    a, b = theirs.get("sha256"), mine.get("sha256")
+    if a is not None and b is not None and a != b:
+        out.append("model sha256: the output was written by a model of other bytes (other weights or graph)")
+    if a is not None and b is not None:
+        ta, tb = jsonish(theirs.get("external_data") or {}), jsonish(mine.get("external_data") or {})
+        for name in list(tb) + [n for n in ta if n not in tb]:
+            if name not in ta:
+                out.append(f"model external data file {name!r}: this call's model has it, the output's had not")
+            elif name not in tb:
+                out.append(f"model external data file {name!r}: the output's model had it, this call's has not")
+            elif ta[name] != tb[name]:
+                out.append(f"model external data file {name!r}: other contents than when the output was written "
+                           f"(other weights: retrained?)")
     return out
-
-
-def _short(v: Any, limit: int = 200) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ---- replicas and progress ------------------------------------------------------------------------------

@@ -20,15 +20,21 @@ __all__ = ["ParquetSource", "import_pyarrow", "to_numpy"]  # to_numpy: moved to 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _list_files(paths: Union[PathLike, Sequence[PathLike]]) -> List[Tuple[str, str]]:
-    """(path, name recorded in a state) of every Parquet file, in a fixed order."""
+IDENTITIES = ("metadata", "content")
+
+
+def _as_list(paths: Union[PathLike, Sequence[PathLike]]) -> List[str]:
     if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    elif not isinstance(paths, (list, tuple)):
+        return [os.fspath(paths)]
+    if not isinstance(paths, (list, tuple)):
         raise TypeError(f"paths must be a file, a directory or a list of them, got {type(paths).__name__}")
+    return [os.fspath(p) for p in paths]
+
+
+def _list_files(paths: Sequence[str]) -> List[Tuple[str, str]]:
+    """(path, name recorded in a state) of every Parquet file, in a fixed order."""
     out: List[Tuple[str, str]] = []
     for p in paths:
-        p = os.fspath(p)
         if os.path.isdir(p):
             found = []
             for root, _, files in os.walk(p):
@@ -61,12 +67,18 @@ class ParquetSource(ShardedSource):
     parts of every epoch, and a window of N rows mixes rows of several row groups into each chunk
     (with row groups of 10k-100k rows, each batch would otherwise come from one row group).
 
-    What a checkpoint must match (``feeder_definition``) is judged from the files' footers,
-    never by reading the data: the files and their sizes, schemas, row groups and, for the used
-    columns, their Arrow types and the column chunks' statistics (min, max, null and value
-    counts) and sizes. A file that changes after the source was created (its size or time
-    stamp moved and its footer no longer matches) is a ValueError at ``start()`` or an
-    InputValidationError at the first read of it, naming the file.
+    What a checkpoint must match (``feeder_definition``) is one record per file (its name, row
+    count, size in bytes, version and a fingerprint of its footer: schema, row groups and, for
+    the used columns, their Arrow types, the column chunks' statistics and sizes), plus the used
+    columns' Arrow types. ``identity`` says what a file's version is: ``"metadata"`` (the
+    default) its modification time (ns), so that nothing but the footers is read, and a file
+    whose modification time moved is another file, even when touched or copied with the same
+    contents; ``"content"`` a SHA-256 of its bytes, read whole when the source is created (and
+    again when a file's size or modification time moved), for data copied between machines,
+    whose time stamps do not survive. A file that changes after the source was created is a
+    ValueError at ``start()`` or an InputValidationError at the first read of it, naming the
+    file. A file that is not Parquet (or is truncated) is a ValueError naming it at creation,
+    and an InputValidationError naming it and the row group at a read.
 
     Args:
         paths: A Parquet file, a folder (its ``.parquet`` and ``.parq`` files, recursively,
@@ -75,6 +87,8 @@ class ParquetSource(ShardedSource):
         shuffle: Shuffle the row groups and the rows within each, per epoch, from ``seed``.
         seed: The shuffle's seed (an int >= 0).
         epochs: Passes over the rows (>= 1); None repeats forever.
+        identity: What a file's version is in a checkpoint: ``"metadata"`` (its modification
+            time) or ``"content"`` (a SHA-256 of its bytes, for data copied between machines).
         shard: ``(rank, world_size)``, or ``"env"`` for ``RANK`` and ``WORLD_SIZE``: this rank's
             own part of every epoch (see ArraySource and the guide, "Many hosts without Ray").
         equal_steps: Every rank the same number of rows per epoch (the epoch's last
@@ -91,21 +105,31 @@ class ParquetSource(ShardedSource):
     """
 
     def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
-                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, shard: Any = None,
-                 equal_steps: bool = False, shuffle_window: Optional[int] = None):
+                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, identity: str = "metadata",
+                 shard: Any = None, equal_steps: bool = False, shuffle_window: Optional[int] = None):
         super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
                          shuffle_window=shuffle_window)
         pa = import_pyarrow()
         if columns is not None and not isinstance(columns, Mapping):
             raise TypeError(f"columns must be a dict of input name -> column name or None, "
                             f"got {type(columns).__name__}")
+        if not isinstance(identity, str):
+            raise TypeError(f"identity must be one of {IDENTITIES}, got {type(identity).__name__}")
+        if identity not in IDENTITIES:
+            raise ValueError(f"identity must be one of {IDENTITIES}, got {identity!r}")
+        self.identity = identity
         self.columns: Optional[Dict[str, str]] = dict(columns) if columns is not None else None
-        self.files = _list_files(paths)
+        given = _as_list(paths)
+        self.files = _list_files(given)
+        # What was given, as absolute paths (feeder.predict refuses an output inside them).
+        self.roots = [os.path.abspath(p) for p in given]
         # Per file: its columns' Arrow types (files of one schema share one dict), its (size in
-        # bytes, mtime in ns) when read here, and the row counts of all its row groups.
+        # bytes, mtime in ns) when read here, the row counts of all its row groups, and (content
+        # identity) the SHA-256 of its bytes.
         self._fields: List[Dict[str, str]] = []
         self._stamps: List[Tuple[int, int]] = []
         self._groups: List[List[int]] = []
+        self._hashes: List[Optional[str]] = []
         # The footers read here, kept until the used columns' fingerprint is taken from them
         # (at registration, when the columns are known), so a file is never read twice for it.
         self._metas: Optional[List[Any]] = []
@@ -116,10 +140,11 @@ class ParquetSource(ShardedSource):
         self._unit_at: List[Tuple[int, int]] = []  # unit -> (file index, row group)
         for i, (path, _) in enumerate(self.files):
             stamp = _stamp(path)
-            meta = pa.parquet.read_metadata(path)
+            meta = _read_footer(pa, path)
             fields = tuple((f.name, str(f.type)) for f in meta.schema.to_arrow_schema())
             self._fields.append(shared.setdefault(fields, dict(fields)))
             self._stamps.append(stamp)
+            self._hashes.append(_sha256(path) if identity == "content" else None)
             self._metas.append(meta)
             groups = [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
             self._groups.append(groups)
@@ -175,25 +200,35 @@ class ParquetSource(ShardedSource):
             metas = self._metas
             if metas is None:  # taken before for other columns: read the footers again
                 pa = import_pyarrow()
-                metas = [pa.parquet.read_metadata(path) for path, _ in self.files]
+                metas = [_read_footer(pa, path) for path, _ in self.files]
             self._prints = [_file_print(meta, size, used) for meta, (size, _) in zip(metas, self._stamps)]
             self._printed_for = used
             self._metas = None
         return self._prints
 
+    def _version(self, index: int) -> str:
+        """File ``index``'s version as a state records it: ``mtime_ns:<ns>`` or ``sha256:<hex>``."""
+        digest = self._hashes[index]
+        return f"sha256:{digest}" if digest is not None else f"mtime_ns:{self._stamps[index][1]}"
+
     def _definition(self) -> Dict[str, Any]:
         d = super()._definition()
-        d["files"] = [[name, rows] for (_, name), rows in zip(self.files, self._file_rows)]
+        prints = self._fingerprint()
+        d["identity"] = self.identity
+        # One record per file, {name, size, version, ...}: what a store's object (an ETag, a
+        # generation) is recorded as too, so that a message can name the file that differs.
+        d["files"] = [{"name": name, "rows": rows, "size": self._stamps[i][0], "version": self._version(i),
+                       "footer": prints[i]}
+                      for i, ((_, name), rows) in enumerate(zip(self.files, self._file_rows))]
         d["columns"] = self.columns
         d["dtypes"] = {name: " | ".join(sorted({f[col] for f in self._fields if col in f}))
                        for name, col in (self.columns or {c: c for c in self._used()}).items()}
-        d["row_groups"] = hashlib.sha1(np.asarray(self._units).tobytes()).hexdigest()[:16]
-        d["footers"] = hashlib.sha1("".join(self._fingerprint()).encode()).hexdigest()[:16]
         return d
 
-    def _changed(self, index: int, meta: Any = None) -> Optional[str]:
-        """None if file ``index`` is as it was when the source was created (its size and mtime,
-        or else its footer's fingerprint), else a sentence saying how it changed."""
+    def _changed(self, index: int) -> Optional[str]:
+        """None if file ``index`` is as it was when the source was created, else a sentence saying
+        how it changed. ``identity="metadata"``: its size and modification time are what they
+        were; ``"content"``: its size, and its bytes' hash whenever its size or time stamp moved."""
         path = self.files[index][0]
         size, mtime = self._stamps[index]
         try:
@@ -202,18 +237,29 @@ class ParquetSource(ShardedSource):
             return f"Parquet file {path!r} cannot be read any more ({type(e).__name__}: {e})"
         if now == (size, mtime):
             return None
-        if meta is None:
-            meta = import_pyarrow().parquet.read_metadata(path)
-        prints = self._fingerprint()
-        if _file_print(meta, now[0], self._used()) == prints[index]:
-            self._stamps[index] = now  # touched, not changed: no need to look at its footer again
-            return None
-        groups = [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
         what = [f"{size} -> {now[0]} bytes"] if now[0] != size else []
-        if groups != self._groups[index]:
-            what.append(f"row groups of {self._groups[index]} -> {groups} rows")
+        if not what and self.identity == "content":
+            try:
+                same = _sha256(path) == self._hashes[index]
+            except OSError as e:
+                return f"Parquet file {path!r} cannot be read any more ({type(e).__name__}: {e})"
+            if same:
+                self._stamps[index] = now  # touched or copied, not changed: no need to hash it again
+                return None
+            what.append("other contents")
+        try:
+            meta = _read_footer(import_pyarrow(), path)
+        except ValueError:
+            what.append("no longer a readable Parquet file")
+        else:
+            groups = [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
+            if groups != self._groups[index]:
+                what.append(f"row groups of {self._groups[index]} -> {groups} rows")
+            elif _file_print(meta, now[0], self._used()) != self._fingerprint()[index]:
+                what.append("other schema or column statistics in its footer")
         if not what:
-            what.append("other column statistics in its footer")
+            what.append("its modification time moved, its size and footer did not: if its contents are the same "
+                        "(touched, copied), identity='content' compares contents instead of time stamps")
         return (f"Parquet file {path!r} changed since the ParquetSource was created ({', '.join(what)}); "
                 f"create the source again to read it as it is now (a state of the old contents cannot resume "
                 f"on the new ones)")
@@ -251,11 +297,15 @@ class ParquetSource(ShardedSource):
         held = self._handles.get(worker_id)
         if held is not None and held[0] == index:
             return held[1]
-        pa = import_pyarrow()
-        pf = pa.parquet.ParquetFile(self.files[index][0])
-        changed = self._changed(index, pf.metadata)
+        changed = self._changed(index)
         if changed is not None:
             raise InputValidationError(changed)
+        pa = import_pyarrow()
+        path = self.files[index][0]
+        try:
+            pf = pa.parquet.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise _read_error(e, f"Parquet file {path!r}") from e
         self._handles[worker_id] = (index, pf)  # one open file per worker: each thread its own
         return pf
 
@@ -263,7 +313,11 @@ class ParquetSource(ShardedSource):
         index, rg = self._unit_at[unit]
         assert self.columns is not None  # set at registration
         cols = list(self.columns.values())
-        table = self._file(worker_id, index).read_row_group(rg, columns=cols)
+        pf = self._file(worker_id, index)
+        try:
+            table = pf.read_row_group(rg, columns=cols)
+        except (import_pyarrow().ArrowException, OSError) as e:
+            raise _read_error(e, f"Parquet file {self.files[index][0]!r}, row group {rg}") from e
         n = int(self._units[unit])
         if table.num_rows != n:  # changed under an open handle: never a short or mixed chunk
             raise InputValidationError(f"Parquet file {self.files[index][0]!r} changed since the ParquetSource was "
@@ -275,6 +329,37 @@ class ParquetSource(ShardedSource):
             a = to_numpy(table.column(col), where)
             out.append(a if whole else a[rows])
         return out
+
+
+def _read_footer(pa: Any, path: str) -> Any:
+    """The footer (FileMetaData) of a Parquet file; ValueError naming the file when it is not
+    Parquet or is damaged (pyarrow's own message does not name it)."""
+    try:
+        return pa.parquet.read_metadata(path)
+    except (FileNotFoundError, PermissionError):
+        raise  # pyarrow's message names the file
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path!r} is not a readable Parquet file (truncated, damaged or not Parquet): "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def _read_error(e: BaseException, where: str) -> Exception:
+    """What a failed read of ``where`` raises: an OSError with an errno (an I/O failure, which may
+    be transient) stays an OSError, naming the file; anything else pyarrow raises means the file is
+    damaged, bad data that no retry mends (an InputValidationError)."""
+    text = str(e).strip().replace("\n", " ")
+    if isinstance(e, OSError) and e.errno is not None:
+        return OSError(e.errno, f"{e.strerror or text} ({where})")
+    return InputValidationError(f"{where} cannot be read (damaged or truncated?): {type(e).__name__}: {text}")
+
+
+def _sha256(path: str) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks; hashlib releases the GIL on each)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _stamp(path: str) -> Tuple[int, int]:
