@@ -404,3 +404,128 @@ def test_the_many_hosts_example_kills_a_rank_merges_and_resumes_on_another_world
     scored = re.search(r"(\d+) of 40000 rows scored, 0 twice", out.stdout)
     assert "killed rank 1" in out.stdout and scored, out.stdout
     assert int(scored.group(1)) >= 40000 - 1  # equal_steps on 2 ranks leaves out the odd row of what was left
+
+
+# ---- predict, one output per rank -----------------------------------------------------------------------
+RANK_PREDICT = r'''
+import os, sys, time
+import numpy as np
+import feeder
+from feeder.sources import ArraySource
+
+
+class SlowSource(ArraySource):
+    def _read(self, unit, rows, worker_id):
+        time.sleep(float(os.environ.get("UNIT_S", "0")))
+        return super()._read(unit, rows, worker_id)
+
+
+n = 3000
+x = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+src = SlowSource({"x": x, "id": np.arange(n)}, shuffle=True, seed=1, block_rows=61, shard="env")
+r = feeder.predict(sys.argv[2], src, sys.argv[1], batch_size=16, keep=["id"], rows_per_file=200, replicas=2,
+                   progress=False)
+print("RESULT", r.rows, r.rows_computed, flush=True)
+'''
+
+
+def _predict_rank(tmp_path, rank, world, unit_s=0.0):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), UNIT_S=str(unit_s), PYTHONPATH=root)
+    return subprocess.Popen([sys.executable, str(tmp_path / "rank_predict.py"), str(tmp_path / "scores"),
+                             str(tmp_path / "m.onnx")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+@pytest.mark.slow
+def test_predict_ranks_write_an_output_each_and_a_killed_rank_completes_with_every_row_once(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import linear_model, session
+
+    (tmp_path / "rank_predict.py").write_text(RANK_PREDICT)
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    slow = _predict_rank(tmp_path, 1, 3, unit_s=0.2)  # rank 1 reads slowly and is killed mid-run
+    others = [_predict_rank(tmp_path, r, 3) for r in (0, 2)]
+    state = tmp_path / "scores" / "rank-00001-of-00003" / "_feeder_predict.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and slow.poll() is None:
+        if state.exists() and json.loads(state.read_text())["rows"] > 0:
+            break
+        time.sleep(0.01)
+    slow.kill()
+    slow.communicate(timeout=30)
+    assert slow.returncode == -signal.SIGKILL, "rank 1 finished before it was killed"
+    for p in others:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "RESULT 1000 1000" in out
+    done = json.loads(state.read_text())["rows"]
+    assert 0 < done < 1000
+    again = _predict_rank(tmp_path, 1, 3)
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert f"RESULT 1000 {1000 - done}" in out
+    # the parent folder reads as one dataset: every row once, equal to session.run
+    table = pq.read_table(str(tmp_path / "scores"))
+    ids = table["id"].to_numpy()
+    assert sorted(ids.tolist()) == list(range(3000))
+    x = np.random.default_rng(0).standard_normal((3000, 4)).astype(np.float32)
+    want, _ = session(linear_model()).run(None, {"x": x})
+    got = np.stack(table["y"].to_numpy(zero_copy_only=False))[np.argsort(ids)]
+    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-6, atol=1e-6)
+    for r in range(3):
+        assert (tmp_path / "scores" / f"rank-{r:05d}-of-00003" / "_SUCCESS").exists()
+
+
+def test_predict_output_names_a_ranks_folder_and_refuses_another_ranks_output(tmp_path):
+    pytest.importorskip("pyarrow")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import linear_model
+
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    x = np.random.default_rng(0).standard_normal((200, 4)).astype(np.float32)
+
+    def src(rank):
+        return ArraySource({"x": x, "id": np.arange(200)}, block_rows=32, shard=(rank, 2))
+
+    a = feeder.predict(str(tmp_path / "m.onnx"), src(0), tmp_path / "out-{rank}-of-{world}", keep=["id"],
+                       progress=False)
+    assert a.rows == 100 and all("out-0-of-2" in f for f in a.files)
+    with pytest.raises(ValueError, match="is itself an output of feeder.predict.*rank 1 of 2"):
+        feeder.predict(str(tmp_path / "m.onnx"), src(1), tmp_path / "out-0-of-2", keep=["id"], progress=False)
+    three = ArraySource({"x": x, "id": np.arange(200)}, block_rows=32, shard=(0, 3))
+    with pytest.raises(ValueError, match="written by rank 0 of 2, and this call reads rank 0 of 3"):
+        feeder.predict(str(tmp_path / "m.onnx"), three, tmp_path / "out-{rank}-of-2", keep=["id"], progress=False)
+    with pytest.raises(ValueError, match="written by rank 0 of 2, and this call reads an unsharded source"):
+        feeder.predict(str(tmp_path / "m.onnx"), ArraySource({"x": x, "id": np.arange(200)}, block_rows=32),
+                       tmp_path / "out-0-of-2", keep=["id"], progress=False)
+    b = feeder.predict(str(tmp_path / "m.onnx"), src(1), tmp_path / "out-{rank}-of-{world}", keep=["id"],
+                       progress=False)
+    assert b.rows == 100
+
+
+def test_the_command_line_reads_a_rank_share_from_the_environment(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import linear_model
+
+    (tmp_path / "m.onnx").write_bytes(linear_model())
+    x = np.random.default_rng(0).standard_normal((300, 4)).astype(np.float32)
+    pq.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4), "id": np.arange(300)}),
+                   tmp_path / "d.parquet", row_group_size=50)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", PYTHONPATH=root)
+        out = subprocess.run([sys.executable, "-m", "feeder", "predict", str(tmp_path / "m.onnx"),
+                              str(tmp_path / "d.parquet"), str(tmp_path / "scores"), "--keep", "id", "--shard", "env",
+                              "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("150 rows written")
+    ids = pq.read_table(str(tmp_path / "scores"))["id"].to_numpy()
+    assert sorted(ids.tolist()) == list(range(300))
+    bad = subprocess.run([sys.executable, "-m", "feeder", "predict", str(tmp_path / "m.onnx"),
+                          str(tmp_path / "d.parquet"), str(tmp_path / "x"), "--shard", "2of3"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=root), timeout=60)
+    assert bad.returncode == 2 and "--shard must be 'env' or RANK/WORLD" in bad.stderr and "Traceback" not in bad.stderr

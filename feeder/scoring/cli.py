@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 
 def _split(values: Optional[Sequence[str]]) -> List[str]:
@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
                    help="how an input file is known again when a run continues: metadata (default: size, "
                         "modification time and footer) or content (a SHA-256 of its bytes, read whole: for data "
                         "copied between machines)")
+    p.add_argument("--shard", default=None, metavar="env|RANK/WORLD",
+                   help="read this rank's part of the data only: 'env' (RANK and WORLD_SIZE from the environment, "
+                        "as torchrun sets them) or RANK/WORLD; each rank writes OUTPUT with {rank} and {world} filled "
+                        "in, or OUTPUT/rank-RRRRR-of-WWWWW")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
@@ -123,6 +127,17 @@ def _describe(e: BaseException) -> str:
     return text
 
 
+def _shard(text: Optional[str]) -> Any:
+    """``--shard``: None, "env", or "RANK/WORLD" as (rank, world); ValueError in the CLI's words."""
+    if text is None or text == "env":
+        return text
+    rank, _, world = text.partition("/")
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"--shard must be 'env' or RANK/WORLD (e.g. 3/8), got {text!r}") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     import feeder
@@ -130,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     outputs = _split(args.outputs) or None
     try:
-        source = ParquetSource(args.data, identity=args.identity)
+        source = ParquetSource(args.data, identity=args.identity, shard=_shard(args.shard))
         result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,

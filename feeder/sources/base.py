@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of
+from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share
 from .window import ShuffleWindow
 
 log = logging.getLogger("feeder")
@@ -462,6 +462,16 @@ class ShardedSource:
                              f"a rank resumes from its own state on the same world size; otherwise {merge}")
         basis = np.asarray(record.get("basis") or [], dtype=np.int64).reshape(-1, 2)
         return RankPlan(rank, world, self.equal_steps, own=_merged(ranges_of(resume))), basis
+
+    def feeder_total_rows(self) -> Optional[int]:
+        """Rows this source delivers over all its epochs in a fresh run (this rank's share when
+        sharded; rows left out by ``equal_steps`` not counted); None when endless."""
+        if self.epochs is None:
+            return None
+        if self.shard is None or self.shard[1] < 2:
+            return self.rows * self.epochs
+        lo, hi = share(self.rows, self.shard[0], self.shard[1], self.equal_steps)
+        return (hi - lo) * self.epochs
 
     def feeder_shard_record(self) -> Optional[Dict[str, Any]]:
         """What a state of this source records of its shard (None: unsharded): the world size, this
