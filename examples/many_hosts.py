@@ -38,7 +38,6 @@ BATCH, DIM, EVERY = 256, 16, 10  # rows per batch, features per row, steps betwe
 
 def build_model() -> bytes:
     """x float32 [N, 16] -> score float32 [N, 1]: one linear layer."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
     w = numpy_helper.from_array(np.linspace(-1, 1, DIM, dtype=np.float32).reshape(DIM, 1), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["score"])], "linear",
