@@ -529,3 +529,19 @@ def test_the_command_line_reads_a_rank_share_from_the_environment(tmp_path):
                           str(tmp_path / "d.parquet"), str(tmp_path / "x"), "--shard", "2of3"], capture_output=True,
                          text=True, env=dict(os.environ, PYTHONPATH=root), timeout=60)
     assert bad.returncode == 2 and "--shard must be 'env' or RANK/WORLD" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_window_held_by_a_parked_auto_worker_is_still_delivered(monkeypatch):
+    """"auto" concurrency parks fetchers; a parked one's window still holds rows. They come once
+    the running fetchers end (a parked fetcher then takes an ended one's place)."""
+    import feeder.tuning
+    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s: None)
+    src = ArraySource({"x": np.arange(5000)}, shuffle=True, seed=3, epochs=2, block_rows=100, shuffle_window=2000)
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        feeder.init_data_input_workers(None, ["x"], src, 32, num_worker_threads="auto", coordinator=coord)
+        coord.start()
+        rows = [int(v) for b in coord.feed("train") for v in b["x"]]
+    finally:
+        coord.stop()
+    assert Counter(rows) == Counter({r: 2 for r in range(5000)})
