@@ -126,11 +126,16 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
         raise ValueError(f"source {name!r} cannot be checkpointed: its fetch_fun gives no row keys (use a source "
                          f"from feeder.sources, or see 'Checkpoint and resume' in the README)")
     definition = getattr(fetch_fun, "feeder_definition", None)
+    shard = getattr(fetch_fun, "feeder_shard_record", None)
     ranges = ledger.ranges()
-    return {
+    state = {
         "format": STATE_FORMAT,
         "source": name,
         "definition": definition() if definition is not None else {},
         "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()),
         "delivered": [[int(a), int(b)] for a, b in ranges],
     }
+    record = shard() if shard is not None else None
+    if record is not None:  # one rank's state: feeder.sources.merge_states joins the ranks'
+        state["shard"] = record
+    return state

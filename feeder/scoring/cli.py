@@ -4,7 +4,7 @@ Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
                    [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--identity content]
-                   [--provider cpu|cuda|cuda:N] [--overwrite] [--no-progress]
+                   [--shard env|RANK/WORLD] [--provider cpu|cuda|cuda:N] [--overwrite] [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
 inputs plus the kept ones (columns named like them). Prints one line: rows written, rows computed,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 
 def _split(values: Optional[Sequence[str]]) -> List[str]:
@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
                         "copied between machines)")
     p.add_argument("--provider", default=None, metavar="cpu|cuda|cuda:N",
                    help="where the model runs (default: the GPU where onnxruntime-gpu is installed, else the CPU)")
+    p.add_argument("--shard", default=None, metavar="env|RANK/WORLD",
+                   help="read this rank's part of the data only: 'env' (RANK and WORLD_SIZE from the environment, "
+                        "as torchrun sets them) or RANK/WORLD; each rank writes OUTPUT with {rank} and {world} filled "
+                        "in, or OUTPUT/rank-RRRRR-of-WWWWW")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
@@ -125,6 +129,17 @@ def _describe(e: BaseException) -> str:
     return text
 
 
+def _shard(text: Optional[str]) -> Any:
+    """``--shard``: None, "env", or "RANK/WORLD" as (rank, world); ValueError in the CLI's words."""
+    if text is None or text == "env":
+        return text
+    rank, _, world = text.partition("/")
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"--shard must be 'env' or RANK/WORLD (e.g. 3/8), got {text!r}") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     import feeder
@@ -132,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     outputs = _split(args.outputs) or None
     try:
-        source = ParquetSource(args.data, identity=args.identity)
+        source = ParquetSource(args.data, identity=args.identity, shard=_shard(args.shard))
         result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,

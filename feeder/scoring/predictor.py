@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -116,7 +116,9 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
         source: A source of ``feeder.sources`` or any fetch function. The model's inputs are fed
             from the source's inputs of the same names; a list-returning fetch function returns
             the model's inputs in the model's order, then the kept ones that are not model inputs.
-        output: The folder that becomes the Parquet dataset (created if missing).
+        output: The folder that becomes the Parquet dataset (created if missing). With a source
+            sharded between ranks (``shard=``), each rank writes its own folder: ``output`` with
+            ``{rank}`` and ``{world}`` filled in, or else ``output/rank-RRRRR-of-WWWWW``.
         batch_size: Rows per batch handed to the model (> 0).
         outputs: Names of the model outputs to write, in that order; None writes all of them.
         keep: Names of source inputs written beside the predictions (an id, a path); they need
@@ -170,6 +172,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     plan = _Plan.make(session, source, outputs, keep, batch_size)
     fingerprint = {**model_signature(session), **identity}
     options = {"outputs": plan.outputs, "keep": plan.keep}
+    output = rank_output(output, source)
     _refuse_output_in_input(source, output)
     out = OutputDir(output)
     out.open()
@@ -361,6 +364,25 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
         validate(tuple(feed_names), None)
 
 
+def rank_output(output: PathLike, source: Any) -> str:
+    """The output folder of this call: ``output`` itself, or for a source sharded between ranks
+    (``shard=``), the rank's own: ``output`` with ``{rank}`` and ``{world}`` filled in, or else
+    ``output/rank-RRRRR-of-WWWWW`` (so that ranks never write one folder, and the parent folder
+    reads as one dataset of every rank's parts)."""
+    path = os.fspath(output)
+    shard = getattr(source, "shard", None)
+    if not isinstance(source, ShardedSource) or shard is None or shard[1] < 2:
+        return path
+    rank, world = shard
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank)).replace("{world}", str(world))
+    if os.path.exists(os.path.join(path, STATE_NAME)):
+        raise ValueError(f"output {path!r} is itself an output of feeder.predict, and this call's source is rank "
+                         f"{rank} of {world}, whose output would go inside it: pass the folder that holds the ranks' "
+                         f"outputs, or put {{rank}} in the output path")
+    return os.path.join(path, f"rank-{rank:05d}-of-{world:05d}")
+
+
 def _refuse_output_in_input(source: Any, output: PathLike) -> None:
     """ValueError when the output folder is inside (or is) a folder a ``ParquetSource`` reads, or
     holds one of its files: the output's parts are Parquet files, so the next call's source would
@@ -417,6 +439,7 @@ class _Job:
         if overwrite:
             return False  # start afresh: run() replaces the state, then removes the old parts
         state = self.out.read_state()
+        self._check_rank(state)
         if state.get("parts") == [] and not state.get("rows"):
             # A state that commits no part (a run refused for bad data, or killed before its first
             # commit) holds nothing to lose: it never makes a call refuse "other data".
@@ -442,6 +465,21 @@ class _Job:
         if finished and not found.success:
             self.out.write_marker(durable=self.durable)  # a crash between the final state and its marker
         return finished
+
+    def _check_rank(self, state: Dict[str, Any]) -> None:
+        """ValueError when the output was written by another rank (or world size) than this call's
+        source: each rank writes, and resumes, an output of its own."""
+        src = state.get("source")
+        theirs = src.get("shard") if isinstance(src, dict) else None
+        record = getattr(self.source, "feeder_shard_record", None)
+        mine = record() if record is not None else None
+        def who(r: Optional[Dict[str, Any]]) -> str:
+            return "an unsharded source" if r is None else f"rank {r['ranks'][0]} of {r['world']}"
+        if (theirs is None) != (mine is None) or (theirs is not None and mine is not None and (
+                theirs.get("world"), theirs.get("ranks")) != (mine["world"], mine["ranks"])):
+            raise ValueError(f"output {self.out.path!r} was written by {who(theirs)}, and this call reads "
+                             f"{who(mine)}: each rank writes an output of its own (put {{rank}} in the output "
+                             f"path, or let feeder.predict add rank-RRRRR-of-WWWWW to it)")
 
     def _check_state(self, state: Dict[str, Any]) -> None:
         where = f"output {self.out.path!r}"
@@ -515,10 +553,10 @@ class _Job:
         return _Replicas(coord, writer, plan, self._todo(), progress).run()
 
     def _total(self) -> Optional[int]:
-        """The rows of the whole source, when it can tell (a sharded source: rows x epochs)."""
-        epochs = getattr(self.source, "epochs", None)
-        if isinstance(self.source, ShardedSource) and isinstance(epochs, int):
-            return len(self.source) * epochs
+        """The rows of the whole source, when it can tell (rows x epochs; a rank's share of them)."""
+        total = getattr(self.source, "feeder_total_rows", None)
+        if isinstance(self.source, ShardedSource) and total is not None:
+            return cast(Optional[int], total())
         return None
 
     def _todo(self) -> Optional[int]:
@@ -541,7 +579,7 @@ class _Job:
             expected = self._todo()
             if expected is not None and expected != 0:
                 raise FeederError(f"feeder.predict: the source ended with {self.rows} rows committed, "
-                                  f"{expected} short of its {len(self.source)} rows x {self.source.epochs} epochs")
+                                  f"{expected} short of its {self._total()} rows")
         if self.durable or final:
             self.out.write_state(self._state(complete=final), durable=self.durable)
         if final:

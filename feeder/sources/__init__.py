@@ -11,10 +11,12 @@ import importlib
 from typing import Any
 
 from .base import ROW_KEY, ShardedSource, SourceBinding
+from .sharding import merge_states
 
 _LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray"}
 
-__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "ShardedSource", "SourceBinding"]
+__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "ShardedSource", "SourceBinding",
+           "merge_states"]
 
 
 def __getattr__(name: str) -> Any:

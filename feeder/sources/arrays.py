@@ -31,16 +31,26 @@ class ArraySource(ShardedSource):
         seed: The shuffle's seed (an int >= 0).
         epochs: Passes over the rows (>= 1); None repeats forever.
         block_rows: Rows per unit of work (one fetch).
+        shard: ``(rank, world_size)``, or ``"env"`` for the ``RANK`` and ``WORLD_SIZE``
+            environment variables: this rank reads its own part of every epoch, disjoint from
+            the other ranks' (which need not talk to it). None: every row.
+        equal_steps: Every rank the same number of rows per epoch: the epoch's last
+            ``rows % world_size`` rows (fewer than the world size) are left out of it.
+        shuffle_window: Rows (in all, split between the source's workers) held from several
+            units, so that each chunk mixes them; None: a chunk is one unit. See the guide,
+            "Many hosts without Ray".
 
     Raises:
         TypeError: ``arrays`` is not a dict or a list of arrays; a bad argument type.
         ValueError: Arrays of different lengths, or a bad argument value (a negative
-            ``seed``).
+            ``seed``, a rank outside the world, fewer rows than ranks).
     """
 
     def __init__(self, arrays: Union[Mapping[str, Any], Sequence[Any]], *, shuffle: bool = False, seed: int = 0,
-                 epochs: Optional[int] = 1, block_rows: int = BLOCK_ROWS):
-        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs)
+                 epochs: Optional[int] = 1, block_rows: int = BLOCK_ROWS, shard: Any = None,
+                 equal_steps: bool = False, shuffle_window: Optional[int] = None):
+        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
+                         shuffle_window=shuffle_window)
         if isinstance(arrays, Mapping):
             self.names: Optional[List[str]] = [str(k) for k in arrays]
             items = list(arrays.values())

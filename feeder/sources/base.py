@@ -43,9 +43,12 @@ import re
 import threading
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share
+from .window import ShuffleWindow
 
 log = logging.getLogger("feeder")
 
@@ -174,11 +177,17 @@ class ShardedSource:
         shuffle: Shuffle the units and the rows within each unit, per epoch.
         seed: The shuffle's seed (an int >= 0).
         epochs: Passes over the table (>= 1); None: endless.
+        shard: ``(rank, world_size)`` or ``"env"``: read this rank's part of every epoch only
+            (:mod:`feeder.sources.sharding`); None: every row.
+        equal_steps: With ``shard``, every rank the same number of rows per epoch.
+        shuffle_window: Rows held from several units to mix into each chunk (split between
+            the workers; :mod:`feeder.sources.window`); None: a chunk is one unit.
     """
 
     feeder_row_keys = True
 
-    def __init__(self, *, shuffle: bool, seed: int, epochs: Optional[int]):
+    def __init__(self, *, shuffle: bool, seed: int, epochs: Optional[int], shard: Any = None,
+                 equal_steps: bool = False, shuffle_window: Optional[int] = None):
         if not isinstance(shuffle, (bool, np.bool_)):
             raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -190,9 +199,24 @@ class ShardedSource:
                 raise TypeError(f"epochs must be an int or None (endless), got {type(epochs).__name__}")
             if epochs < 1:
                 raise ValueError(f"epochs must be >= 1 or None (endless), got {epochs}")
+        if not isinstance(equal_steps, (bool, np.bool_)):
+            raise TypeError(f"equal_steps must be a bool, got {type(equal_steps).__name__}")
+        if shuffle_window is not None:
+            if isinstance(shuffle_window, bool) or not isinstance(shuffle_window, (int, np.integer)):
+                raise TypeError(f"shuffle_window must be a number of rows (int) or None, "
+                                f"got {type(shuffle_window).__name__}")
+            if shuffle_window < 1:
+                raise ValueError(f"shuffle_window must be >= 1 rows or None, got {shuffle_window}")
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.epochs = None if epochs is None else int(epochs)
+        self.shard: Optional[Tuple[int, int]] = check_shard(shard)
+        self.equal_steps = bool(equal_steps)
+        self.shuffle_window: Optional[int] = None if shuffle_window is None else int(shuffle_window)
+        self._rank: Optional[RankPlan] = None  # set at bind when sharded over more than one rank
+        self._basis = np.zeros((0, 2), np.int64)  # the complete state's ranges the rank plan starts from
+        self._walk: Optional[PieceWalk] = None
+        self._windows: Dict[int, ShuffleWindow] = {}  # worker id -> its window (shuffle_window)
         self._binding: Optional[SourceBinding] = None
         self._lock = threading.Lock()
         self._order_cache: Optional[Tuple[int, np.ndarray]] = None
@@ -217,6 +241,9 @@ class ShardedSource:
         self._units = np.asarray(unit_rows, dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._units)]).astype(np.int64)
         self.rows = int(self._offsets[-1])
+        if self.shard is not None and 0 < self.rows < self.shard[1]:
+            raise ValueError(f"shard={self.shard}: {self.rows} rows per epoch cannot be split among {self.shard[1]} "
+                             f"ranks (every rank needs at least one row of each epoch)")
         self._plan_sequence(None)
 
     def __len__(self) -> int:
@@ -317,6 +344,14 @@ class ShardedSource:
 
     def _locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:
         """(unit, epoch, positions or None) at ``index`` of the sequence, or None past its end."""
+        if self._rank is not None:
+            walk = self._walk
+            if walk is None:  # made on first use: it is not pickled to worker processes
+                with self._lock:
+                    walk = self._walk
+                    if walk is None:
+                        walk = self._walk = PieceWalk(self._rank_epochs)
+            return walk.locate(index)
         u = len(self._units)
         if not u:
             return None  # an empty table has nothing in any epoch
@@ -333,6 +368,27 @@ class ShardedSource:
             unit, positions = self._plans[epoch][off]
             return unit, epoch, positions
         return int(self._unit_order(epoch)[off]), epoch, None
+
+    def _rank_epochs(self) -> Iterator[Tuple[int, List[Piece]]]:
+        """This rank's pieces of each epoch of the sequence, in order (see feeder.sources.sharding)."""
+        rank = self._rank
+        assert rank is not None
+        for e0, count, planned in self._blocks:
+            e = e0
+            while count is None or e < e0 + count:
+                if self.epochs is not None and e >= self.epochs:
+                    return
+                if planned:
+                    plan = self._plans[e]
+                    units = np.array([u for u, _ in plan], dtype=np.int64)
+                    positions: Sequence[Optional[np.ndarray]] = [p for _, p in plan]
+                    counts = np.array([self._units[u] if p is None else len(p) for u, p in plan], dtype=np.int64)
+                else:
+                    units = np.asarray(self._unit_order(e), dtype=np.int64)
+                    counts = self._units[units]
+                    positions = [None] * len(units)
+                yield e, rank.pieces(e, self.rows, units, counts, positions, self._offsets)
+                e += 1
 
     # ---- the binding protocol ----
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
@@ -351,14 +407,21 @@ class ShardedSource:
 
     def feeder_bind(self, binding: SourceBinding) -> None:
         """At ``start()``: learn which workers call this source and plan the sequence of units,
-        less the rows that ``binding.resume`` says were delivered (see the class docstring).
+        less the rows that ``binding.resume`` says were delivered (see the class docstring); for a
+        sharded source, this rank's share of them (see :mod:`feeder.sources.sharding`).
 
         Args:
             binding: What feeder tells the source: its name, the workers of each replica, the
                 inputs, ``ordered``, the resume state and the worker processes' context.
+
+        Raises:
+            ValueError: ``binding.resume`` is a state of another source definition, or one
+                rank's state that cannot resume this rank (merge the ranks' states first).
         """
-        if binding.resume is not None:
-            check_state(binding.resume, self._definition())
+        resume = binding.resume
+        if resume is not None:
+            check_state(resume, self._definition())
+        rank, basis = self._rank_plan(binding.source_name, resume)
         with self._lock:
             self._binding = binding
             self._cursors = {}
@@ -368,18 +431,68 @@ class ShardedSource:
             self._shared = None
             if not binding.ordered and binding.mp_context is not None:
                 self._shared = binding.mp_context.Value("q", 0)
-            self._plan_sequence(ranges_of(binding.resume) if binding.resume is not None else None)
+            self._rank, self._basis, self._walk = rank, basis, None
+            self._windows = {}
+            self._plan_sequence(basis if len(basis) else None)
+
+    def _rank_plan(self, name: str, resume: Optional[Mapping[str, Any]]) -> Tuple[Optional[RankPlan], np.ndarray]:
+        """(how this rank cuts its share, the basis ranges the sequence is planned from) for a run
+        that resumes from ``resume`` (see feeder.sources.sharding). ValueError for a state that
+        cannot resume this rank exactly: another rank's, one rank's on an unsharded source, or
+        one rank's of another world size."""
+        none = np.zeros((0, 2), np.int64)
+        record = shard_of(resume) if resume is not None else None
+        sharded = self.shard is not None and self.shard[1] > 1
+        if is_complete(record):
+            ranges = ranges_of(resume) if resume is not None else none
+            if not sharded:
+                return None, ranges
+            assert self.shard is not None
+            return RankPlan(self.shard[0], self.shard[1], self.equal_steps), ranges
+        assert record is not None and resume is not None
+        theirs = f"the state of rank {record['ranks']} of a world of {record['world']}"
+        merge = ("merge every rank's state with feeder.sources.merge_states([...]) and resume every rank from the "
+                 "merged state")
+        if not sharded:
+            raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is not sharded: {merge}")
+        assert self.shard is not None
+        rank, world = self.shard
+        if record["world"] != world or record["ranks"] != [rank]:
+            raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is rank {rank} of {world}: "
+                             f"a rank resumes from its own state on the same world size; otherwise {merge}")
+        basis = np.asarray(record.get("basis") or [], dtype=np.int64).reshape(-1, 2)
+        return RankPlan(rank, world, self.equal_steps, own=_merged(ranges_of(resume))), basis
+
+    def feeder_total_rows(self) -> Optional[int]:
+        """Rows this source delivers over all its epochs in a fresh run (this rank's share when
+        sharded; rows left out by ``equal_steps`` not counted); None when endless."""
+        if self.epochs is None:
+            return None
+        if self.shard is None or self.shard[1] < 2:
+            return self.rows * self.epochs
+        lo, hi = share(self.rows, self.shard[0], self.shard[1], self.equal_steps)
+        return (hi - lo) * self.epochs
+
+    def feeder_shard_record(self) -> Optional[Dict[str, Any]]:
+        """What a state of this source records of its shard (None: unsharded): the world size, this
+        rank, and the basis its share was cut from (see feeder.sources.sharding)."""
+        if self.shard is None or self.shard[1] < 2:
+            return None
+        return {"world": self.shard[1], "ranks": [self.shard[0]],
+                "basis": [[int(a), int(b)] for a, b in self._basis]}
 
     def feeder_release(self) -> None:
         """At ``stop()``: forget the workers' cursors and the shared counter."""
         with self._lock:
             self._cursors = {}
             self._shared = None
+            self._windows = {}
 
     def feeder_describe(self) -> str:
         """A phrase for FeedTimeout and ``diagnose()`` messages: rows, units and epochs."""
         ep = "endless" if self.epochs is None else f"{self.epochs} epoch(s)"
-        return f"{type(self).__name__} of {self.rows} rows in {len(self._units)} units, {ep}"
+        shard = f", rank {self.shard[0]} of {self.shard[1]}" if self.shard is not None else ""
+        return f"{type(self).__name__} of {self.rows} rows in {len(self._units)} units, {ep}{shard}"
 
     # ---- fetching ----
     def _take(self, worker_id: int) -> int:
@@ -411,15 +524,52 @@ class ShardedSource:
         return cursor
 
     def __call__(self, worker_id: int, batch_size: int) -> List[np.ndarray]:
+        if self.shuffle_window is not None:
+            return self._from_window(worker_id)
+        return self._next_unit(worker_id)
+
+    def _from_window(self, worker_id: int) -> List[np.ndarray]:
+        """A draw from this worker's shuffle window (feeder.sources.window), topped up first."""
+        window = self._windows.get(worker_id)
+        if window is None:
+            binding = self._binding
+            workers = len(binding.worker_ids) if binding is not None else 1
+            rng = np.random.default_rng([self.seed, 2, worker_id])
+            # shuffle_window rows in all, split between the source's workers (each its own window)
+            window = self._windows[worker_id] = ShuffleWindow(max(1, (self.shuffle_window or 1) // workers), rng)
+        last = 0
+        while window.wants_more():
+            try:
+                arrays = self._next_unit(worker_id, stored_order=True)
+            except StopIteration:
+                window.ended = True
+                break
+            last = len(arrays[-1])
+            window.add(arrays)
+        if not window.rows:
+            raise StopIteration
+        return window.take(last or int(self._units.max()))
+
+    def _next_unit(self, worker_id: int, stored_order: bool = False) -> List[np.ndarray]:
+        """The next unit of this worker's sequence: its arrays and row keys. ``stored_order``: its
+        rows in the order they are stored (a read without a gather), keys still by shuffled order
+        (for the shuffle window, which mixes them anyway)."""
         where = self._locate(self._take(worker_id))
         if where is None:
             raise StopIteration
         unit, epoch, positions = where
         order = self._row_order(epoch, unit)
-        if positions is None:
+        if positions is None and stored_order:
+            rows = np.arange(len(order), dtype=np.int64)
+            positions = np.empty_like(rows)
+            positions[order] = rows  # each row's place in the shuffled order: its key
+        elif positions is None:
             positions, rows = np.arange(len(order), dtype=np.int64), order
         else:
             rows = order[positions]
+            if stored_order and len(rows) > 1:
+                by_row = np.argsort(rows, kind="stable")
+                rows, positions = rows[by_row], positions[by_row]
         arrays = self._read(unit, rows, worker_id)
         # A key numbers a row by its place in its unit's (shuffled) order, not by its row index:
         # rows are delivered in that order, so what a consumer got of a unit is a few key ranges
@@ -432,6 +582,8 @@ class ShardedSource:
         state = self.__dict__.copy()
         del state["_lock"]
         state["_order_cache"] = None
+        state["_walk"] = None  # made again on first use, in the process that uses it
+        state["_windows"] = {}
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

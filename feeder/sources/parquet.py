@@ -63,6 +63,10 @@ class ParquetSource(ShardedSource):
     InputValidationError naming it; a column that is missing is a ValueError at registration
     (at creation when ``columns`` is given).
 
+    ``shard``, ``equal_steps`` and ``shuffle_window`` as for ArraySource: ranks read disjoint
+    parts of every epoch, and a window of N rows mixes rows of several row groups into each chunk
+    (with row groups of 10k-100k rows, each batch would otherwise come from one row group).
+
     What a checkpoint must match (``feeder_definition``) is one record per file (its name, row
     count, size in bytes, version and a fingerprint of its footer: schema, row groups and, for
     the used columns, their Arrow types, the column chunks' statistics and sizes), plus the used
@@ -85,6 +89,12 @@ class ParquetSource(ShardedSource):
         epochs: Passes over the rows (>= 1); None repeats forever.
         identity: What a file's version is in a checkpoint: ``"metadata"`` (its modification
             time) or ``"content"`` (a SHA-256 of its bytes, for data copied between machines).
+        shard: ``(rank, world_size)``, or ``"env"`` for ``RANK`` and ``WORLD_SIZE``: this rank's
+            own part of every epoch (see ArraySource and the guide, "Many hosts without Ray").
+        equal_steps: Every rank the same number of rows per epoch (the epoch's last
+            ``rows % world_size`` rows left out of it).
+        shuffle_window: Rows (in all, split between the workers) held from several row groups,
+            so that each chunk mixes them; None: a chunk is one row group.
 
     Raises:
         ImportError: pyarrow (the ``parquet`` extra) is not installed.
@@ -95,8 +105,10 @@ class ParquetSource(ShardedSource):
     """
 
     def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
-                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, identity: str = "metadata"):
-        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs)
+                 shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, identity: str = "metadata",
+                 shard: Any = None, equal_steps: bool = False, shuffle_window: Optional[int] = None):
+        super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
+                         shuffle_window=shuffle_window)
         pa = import_pyarrow()
         if columns is not None and not isinstance(columns, Mapping):
             raise TypeError(f"columns must be a dict of input name -> column name or None, "

@@ -1,0 +1,152 @@
+"""What sharding across hosts and the shuffle window cost (issue 30), as ratios from one run.
+
+One zstd Parquet dataset (``--mb``, row groups of 8,192 rows: x = 64 float32, y = int64), batches
+of 256 rows, no model, 2 fetcher threads, every contender reading one whole epoch:
+
+* sharding: rank 1 of ``--world`` reading the whole dataset (``shard=(1, world)``) against an
+  unsharded ``ParquetSource`` over a dataset made of exactly that rank's share of rows (the same
+  row-group size): rows/s of the rank / rows/s of the unsharded source on its share (target >= 0.97);
+* window: ``shuffle=True, shuffle_window=4 row groups`` against ``shuffle=True`` (units shuffled,
+  rows within each): rows/s ratio (target >= 0.9), and how many row groups a batch draws rows
+  from (median), each way;
+* the same two on an in-memory ``ArraySource`` (block_rows 8,192), where reading costs least and
+  what feeder adds shows most.
+
+Contenders alternate, ``--repeats`` times each; the median of each is reported. This machine has 2
+cores shared with whatever else runs: read ratios, not rows/s.
+
+    python benchmarks/sharding.py [--mb 100] [--world 4] [--repeats 3] [--json benchmarks/results/sharding.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import feeder  # noqa: E402
+from feeder.sources import ArraySource, ParquetSource  # noqa: E402
+
+DIM = 64
+BATCH = 256
+GROUP = 8192
+
+
+def write(path: str, rows: int, start: int = 0) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rng = np.random.default_rng(start)
+    with pq.ParquetWriter(path, pa.schema([("x", pa.list_(pa.float32(), DIM)), ("y", pa.int64())]),
+                          compression="zstd") as w:
+        for lo in range(0, rows, GROUP):
+            n = min(GROUP, rows - lo)
+            x = rng.standard_normal(n * DIM, dtype=np.float32)
+            w.write_table(pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x), DIM),
+                                    "y": pa.array(np.arange(start + lo, start + lo + n))}), row_group_size=GROUP)
+
+
+def epoch(source: Any, threads: int = 2) -> Tuple[float, List[int]]:
+    """(rows/s over one epoch, row groups per batch) of a source read to its end."""
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(None, ["x", "y"], source, BATCH, num_worker_threads=threads, coordinator=coord)
+    groups = []
+    try:
+        t0 = time.perf_counter()
+        coord.start()
+        rows = 0
+        for b in coord.feed("train"):
+            rows += len(b["y"])
+            groups.append(len(np.unique(b["y"] // GROUP)))
+        return rows / (time.perf_counter() - t0), groups
+    finally:
+        coord.stop()
+
+
+def alternate(contenders: Dict[str, Callable[[], Any]], repeats: int) -> Dict[str, Tuple[float, float]]:
+    """Median rows/s and median row groups per batch of each contender, run in turn."""
+    rates: Dict[str, List[float]] = {k: [] for k in contenders}
+    spread: Dict[str, List[int]] = {k: [] for k in contenders}
+    for _ in range(repeats):
+        for name, make in contenders.items():
+            rate, groups = epoch(make())
+            rates[name].append(rate)
+            spread[name] += groups
+    return {k: (statistics.median(rates[k]), float(np.median(spread[k]))) for k in contenders}
+
+
+def main(argv: Any = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=100, help="size of the dataset, MB")
+    p.add_argument("--world", type=int, default=4, help="ranks the data is sharded between")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "feeder-bench-sharding"))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    rows = (args.mb * 2**20 // (DIM * 4 + 8)) // GROUP * GROUP
+    full, part = os.path.join(args.dir, f"full-{rows}.parquet"), os.path.join(args.dir, f"part-{rows}-{args.world}")
+    lo, hi = rows * 1 // args.world, rows * 2 // args.world  # rank 1's share of an unshuffled epoch
+    if not os.path.exists(full):
+        write(full, rows)
+    if not os.path.exists(part):
+        os.makedirs(part)
+        write(os.path.join(part, "share.parquet"), hi - lo, start=lo)
+    x = np.random.default_rng(0).standard_normal((rows, DIM), dtype=np.float32)
+    y = np.arange(rows)
+    share_x, share_y = x[lo:hi].copy(), y[lo:hi].copy()
+    window = 4 * GROUP
+    w = args.world
+    cases = {
+        "parquet sharding": {
+            f"rank 1 of {w}": lambda: ParquetSource(full, shard=(1, w)),
+            "unsharded, its share": lambda: ParquetSource(part),
+        },
+        "parquet window": {
+            "shuffle_window=4 units": lambda: ParquetSource(full, shuffle=True, shuffle_window=window),
+            "unit shuffling": lambda: ParquetSource(full, shuffle=True),
+        },
+        "arrays sharding": {
+            f"rank 1 of {w}": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shard=(1, w)),
+            "unsharded, its share": lambda: ArraySource({"x": share_x, "y": share_y}, block_rows=GROUP),
+        },
+        "arrays window": {
+            "shuffle_window=4 units": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shuffle=True,
+                                                          shuffle_window=window),
+            "unit shuffling": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shuffle=True),
+        },
+    }
+    results: Dict[str, Any] = {"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "rows": rows,
+                               "world": w, "batch": BATCH, "row_group": GROUP, "repeats": args.repeats,
+                               "command": "python benchmarks/sharding.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                     else argv),
+                               "cases": {}}
+    print(f"{rows:,} rows of 64 float32 + int64, row groups of {GROUP}, batch {BATCH}, 2 fetcher threads, "
+          f"median of {args.repeats}, {os.cpu_count()} cores, {results['date']}")
+    print("| case | contender | rows/s | ratio | row groups per batch (median) |")
+    print("|---|---|---|---|---|")
+    for case, contenders in cases.items():
+        got = alternate(contenders, args.repeats)
+        names = list(got)
+        ratio = got[names[0]][0] / got[names[1]][0]
+        results["cases"][case] = {"rows_per_s": {k: v[0] for k, v in got.items()},
+                                  "groups_per_batch": {k: v[1] for k, v in got.items()}, "ratio": ratio}
+        for i, k in enumerate(names):
+            print(f"| {case} | {k} | {got[k][0]:,.0f} | {ratio:.2f}x |" if i == 0 else
+                  f"| {case} | {k} | {got[k][0]:,.0f} | 1.00x |", f"{got[k][1]:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The shuffle window: rows of several units held together, so that each chunk mixes them.
+
+Units are shuffled and so are the rows within a unit, but a chunk is one unit: with row groups of
+10k-100k rows, every batch would come from one row group, which for data sorted by time or by
+label is close to no shuffling at all. A worker with a window of N rows reads units until it holds
+N rows, then hands out a random draw of rows from everything it holds (as many as the unit it just
+read), and reads on; at the end of its units it hands out what it holds. Rows keep their row keys,
+so a checkpoint stays exact: what was handed out and delivered is in the state, what the window
+still held is not and comes again after a resume.
+
+The window is one set of buffers (one per input, and the row keys) with a slot per row: a unit is
+written into the slots the last draw freed (then at the end), a draw gathers random slots into new
+arrays. So each row is copied twice on its way through (in, and out in its random place), and a
+unit can be read in its stored order (no copy) since the window does the shuffling.
+
+Pure logic (numpy, no threads): one :class:`ShuffleWindow` per worker, used by that worker alone.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+
+class ShuffleWindow:
+    """Up to ``capacity`` rows (plus the last unit read) drawn from at random. A piece is a list of
+    arrays (the inputs, then the row keys), all of one row count; pieces must agree in dtype kind
+    and row shape (a wider string dtype widens the window)."""
+
+    def __init__(self, capacity: int, rng: np.random.Generator):
+        self.capacity = int(capacity)
+        self.rows = 0       # rows held
+        self.ended = False  # the worker's units are all read: hand out what is held, then stop
+        self._rng = rng
+        self._buffers: Optional[List[np.ndarray]] = None
+        self._size = 0                                # slots in use, holes included
+        self._free = np.zeros(0, dtype=np.int64)      # slots below _size that a draw emptied
+
+    def wants_more(self) -> bool:
+        return not self.ended and self.rows < self.capacity
+
+    def add(self, arrays: List[np.ndarray]) -> None:
+        n = len(arrays[0])
+        if not n:
+            return
+        self._fit(arrays, self._size + max(0, n - len(self._free)))
+        bufs = self._buffers
+        assert bufs is not None
+        f = min(n, len(self._free))
+        if f:
+            slots, self._free = self._free[:f], self._free[f:]
+            for b, a in zip(bufs, arrays):
+                b[slots] = a[:f]
+        if f < n:
+            end = self._size + n - f
+            for b, a in zip(bufs, arrays):
+                b[self._size:end] = a[f:]
+            self._size = end
+        self.rows += n
+
+    def _fit(self, arrays: List[np.ndarray], size: int) -> None:
+        """Buffers of at least ``size`` slots whose dtypes hold these arrays' values."""
+        bufs = self._buffers
+        if bufs is None:
+            cap = max(size, self.capacity + len(arrays[0]))
+            self._buffers = [np.empty((cap,) + a.shape[1:], dtype=a.dtype) for a in arrays]
+            return
+        for j, (b, a) in enumerate(zip(bufs, arrays)):
+            if a.shape[1:] != b.shape[1:]:
+                raise ValueError(f"shuffle_window: rows of shape {a.shape[1:]} and {b.shape[1:]} in one input; the "
+                                 f"window holds rows of one shape")
+            dtype = np.result_type(b.dtype, a.dtype) if a.dtype != b.dtype else b.dtype
+            if dtype != b.dtype or len(b) < size:
+                grown = np.empty((max(size, 2 * len(b)),) + b.shape[1:], dtype=dtype)
+                grown[:self._size] = b[:self._size]
+                bufs[j] = grown
+
+    def take(self, k: int) -> List[np.ndarray]:
+        """``k`` rows (fewer if fewer are held) drawn at random, in random order, as new arrays;
+        they leave the window."""
+        bufs = self._buffers
+        k = min(int(k), self.rows)
+        if bufs is None or not k:
+            return []
+        pick = self._rng.choice(self.rows, size=k, replace=False)  # in random order: the chunk's order
+        if len(self._free):
+            live = np.delete(np.arange(self._size, dtype=np.int64), self._free)
+            slots = live[pick]
+        else:
+            slots = pick.astype(np.int64, copy=False)
+        out = [np.take(b, slots, axis=0) for b in bufs]
+        self.rows -= k
+        if self.rows:
+            self._free = np.concatenate([self._free, slots])
+        else:
+            self._size, self._free = 0, np.zeros(0, dtype=np.int64)
+        return out
+
+    def clear(self) -> None:
+        self._buffers, self._size, self.rows = None, 0, 0
+        self._free = np.zeros(0, dtype=np.int64)
