@@ -78,7 +78,7 @@ class PreparedBatch:
     (``outputs``) once their shapes are known (see :class:`Runner`)."""
 
     __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
-                 "shape_key")
+                 "shape_key", "unfed")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
                  ortvalues: Optional[List[Any]] = None):
@@ -92,9 +92,13 @@ class PreparedBatch:
         self.outputs: Optional[List[np.ndarray]] = None  # the buffers its outputs are bound to, if any
         self.output_names: Optional[List[str]] = None    # the outputs bound
         self.shape_key: Any = None              # the input shapes: what the output shapes were learned for
+        self.unfed: Optional[Dict[str, np.ndarray]] = None  # arrays the session takes not (a pad mask it lacks)
 
     def as_dict(self) -> Dict[str, np.ndarray]:
-        return dict(zip(self.names, self.arrays))
+        out = dict(zip(self.names, self.arrays))
+        if self.unfed:
+            out.update(self.unfed)
+        return out
 
 
 # ONNX Runtime's words for a preallocated output of the wrong shape: the outputs of this model
@@ -139,6 +143,9 @@ class Runner:
         self._templates: Dict[Any, Optional[List[Tuple[Tuple[int, ...], np.dtype]]]] = {}
         self._bind_ahead = True  # False once the model showed output shapes that depend on the data
         self._out_ring = BufferRing(ring_size)
+        # Batch arrays the session has no input for (the mask of a padded input, for the caller of
+        # next_batch()): kept with the batch, never bound.
+        self._unfed = {n for n in self.input_names if n not in specs} if specs else set()
 
     @property
     def ring_size(self) -> int:
@@ -149,6 +156,10 @@ class Runner:
         self._out_ring.size = size
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
+        if self._unfed and batch.unfed is None:
+            batch.unfed = {n: a for n, a in zip(batch.names, batch.arrays) if n in self._unfed}
+            fed = [(n, a) for n, a in zip(batch.names, batch.arrays) if n not in self._unfed]
+            batch.names, batch.arrays = [n for n, _ in fed], [a for _, a in fed]
         if self._custom:
             prepare = getattr(self.session, "prepare_batch", None)
             if prepare is not None:
@@ -189,7 +200,7 @@ class Runner:
             return list(self.session.run_batch(batch, output_names, run_options))
         if not self._use_binding:
             names = list(output_names) if output_names is not None else self._all_outputs
-            return list(self.session.run(names, batch.as_dict(), run_options))
+            return list(self.session.run(names, dict(zip(batch.names, batch.arrays)), run_options))
         binding = batch.binding
         if binding is None:  # not prepared by an enqueuer (a batch made by hand)
             self.prepare(batch)
