@@ -256,7 +256,9 @@ class PadRebatcher:
                 self._planned.append(self._take_front(self.batch_size))
             else:
                 self._plan()
-        return self._assemble(self._planned.popleft(), use_ring=True)
+        batch = self._planned.popleft()
+        self.pending_rows -= sum(p[0] for p in batch)
+        return self._assemble(batch, use_ring=True)
 
     def end_of_data(self) -> None:
         """No more chunks will come: the window is cut whatever it holds."""
@@ -269,6 +271,7 @@ class PadRebatcher:
         pieces = [p for b in self._planned for p in b]
         self._planned.clear()
         pieces += self._take_front(self._unplanned)
+        self.pending_rows = 0
         return self._assemble(pieces, use_ring=False)
 
     def pad_whole(self, arrays: Sequence[Piece], rows: int) -> List[np.ndarray]:
@@ -364,7 +367,6 @@ class PadRebatcher:
 
     def _assemble(self, pieces: List[Tuple[int, Tuple[Piece, ...], Sel]], use_ring: bool) -> List[np.ndarray]:
         n = sum(p[0] for p in pieces)
-        self.pending_rows -= n
         plans: List[Any] = []
         shapes: List[Tuple[int, ...]] = []
         dtypes: List[np.dtype] = []
@@ -403,6 +405,8 @@ class PadRebatcher:
             differ = np.flatnonzero((row_shapes != np.asarray(dims, np.int64)).any(axis=0)) if n else np.zeros(0)
             kvar = int(differ[-1]) if len(differ) else -1
             unit = int(np.prod(dims[kvar + 1:], dtype=np.int64))
+            if unit == 0:  # an axis of size 0 after the last that differs: no values at all
+                kvar, unit = nd - 1, 1
             if unit > 1 and not all(r.rows_list is not None or r.starts is None or not len(r)
                                     or not (r.starts % unit).any() for r in rag):
                 kvar, unit = nd - 1, 1  # rows that do not start on whole units: element by element
@@ -442,6 +446,9 @@ class PadRebatcher:
             shape[j + 1] = dims[j]
             sizes = row_shapes[:, j].reshape((n,) + (1,) * (kvar + 1))
             mask &= np.arange(dims[j]).reshape(shape) < sizes
+        np.copyto(mask_out, mask.reshape(lead + (1,) * (len(dims) - kvar - 1)), casting="unsafe")
+        if not dst.size:  # rows without values (empty rows, or an axis of size 0): nothing to write
+            return
         d3 = dst.reshape(lead + (unit,))
         k0 = 0
         for r in rag:
@@ -475,7 +482,6 @@ class PadRebatcher:
         real = int(mask.sum()) * unit
         self.real_elements += real
         self.padded_elements += dst.size - real
-        np.copyto(mask_out, mask.reshape(lead + (1,) * (len(dims) - kvar - 1)), casting="unsafe")
 
 
 def _gather_plain(dst: np.ndarray, parts: List[np.ndarray], sels: List[Sel], axis: int) -> None:
