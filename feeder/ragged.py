@@ -16,6 +16,7 @@ integers, never the values, which are copied once, into the padded batch
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -53,7 +54,7 @@ class Ragged:
         if len(offsets) > 1 and (np.diff(offsets).min() < 0 or offsets[0] < 0 or offsets[-1] > len(values)):
             raise ValueError(f"Ragged offsets must be non-decreasing and within the {len(values)} values, "
                              f"got {int(offsets.min())}..{int(offsets.max())}")
-        unit = int(np.prod(values.shape[1:], dtype=np.int64))
+        unit = math.prod(values.shape[1:])
         trailing = values.shape[1:]
         flat = np.ascontiguousarray(values).reshape(-1)
         n = len(offsets) - 1
@@ -150,13 +151,20 @@ class Ragged:
         return self._rows
 
     def row(self, i: int) -> np.ndarray:
-        """Row ``i`` as a numpy array (a view)."""
+        """One row as a numpy array (a view of the values).
+
+        Args:
+            i: The row's number, from 0.
+
+        Returns:
+            The row, of shape ``shapes[i]``.
+        """
         if self._rows is not None:
             return self._rows[i]
         assert self.values is not None and self.starts is not None
         shape = tuple(int(d) for d in self.shapes[i])
         start = int(self.starts[i])
-        return self.values[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+        return self.values[start:start + math.prod(shape)].reshape(shape)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
@@ -175,7 +183,14 @@ class Ragged:
         return out
 
     def astype(self, dtype: Any) -> "Ragged":
-        """The same rows converted to ``dtype`` (a copy of the values)."""
+        """The same rows converted to another dtype (a copy of the values).
+
+        Args:
+            dtype: The numpy dtype to convert to.
+
+        Returns:
+            A Ragged of the converted rows.
+        """
         dtype = np.dtype(dtype)
         if self._rows is not None:
             out = Ragged.from_rows([r.astype(dtype) for r in self._rows])
@@ -220,7 +235,7 @@ def dense_as_ragged(a: np.ndarray) -> Ragged:
     """An ordinary array's rows (axis 0) as a Ragged whose rows all have the same shape (a view
     when ``a`` is C-contiguous)."""
     n = a.shape[0]
-    size = int(np.prod(a.shape[1:], dtype=np.int64))
+    size = math.prod(a.shape[1:])
     shapes = np.empty((n, a.ndim - 1), np.int64)
     shapes[:] = a.shape[1:]
     return Ragged._make(np.ascontiguousarray(a).reshape(-1), np.arange(n, dtype=np.int64) * size, shapes)

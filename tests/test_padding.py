@@ -196,7 +196,8 @@ def test_two_padded_inputs_get_a_mask_each():
     a = PadInput(0, "src", 0, (None,), "src_mask", np.dtype(bool))
     b = PadInput(1, "tgt", -100, (None,), "tgt_mask", np.dtype(bool))
     rb = PadRebatcher(2, [0, 0], [a, b])
-    rb.add([Ragged.from_rows([np.array([1, 2, 3]), np.array([4])]), Ragged.from_rows([np.array([5]), np.array([6, 7])])])
+    rb.add([Ragged.from_rows([np.array([1, 2, 3]), np.array([4])]),
+            Ragged.from_rows([np.array([5]), np.array([6, 7])])])
     src, tgt, src_mask, tgt_mask = rb.pop()
     assert src.tolist() == [[1, 2, 3], [4, 0, 0]] and tgt.tolist() == [[5, -100], [6, 7]]
     assert src_mask.sum() == 4 and tgt_mask.sum() == 3
@@ -206,7 +207,7 @@ def test_buffers_are_reused_whatever_the_shape_and_never_while_held():
     ring = ByteRing(2)
     rb = PadRebatcher(4, [0, 0], [pad_input()], ring=ring)
     rng = np.random.default_rng(1)
-    for i in range(50):
+    for _ in range(50):
         rows = [np.ones(int(rng.integers(1, 30)), np.int64) for _ in range(4)]
         rb.add([Ragged.from_rows(rows), np.arange(4)])
         b = rb.pop()
