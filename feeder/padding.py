@@ -72,6 +72,10 @@ class Padding:
         return [p.mask_name for p in self.pads]
 
 
+# Rows of one chunk in a batch up to which they are copied row by row rather than through an index
+# array (a gather's fixed cost is that of several rows' copies).
+FEW_ROWS = 8
+
 # Pieces held before the window (or the FIFO) compacts them into one: bounds the Python work per
 # batch and what a window of tiny chunks keeps alive (each piece pins its chunk, and in worker-
 # process mode the chunk's shared-memory slot, of which a worker has a bounded number).
@@ -417,7 +421,7 @@ class PadRebatcher:
             dtypes.append(dt)
             mask_shapes.append((n, *dims))
             mask_dtypes.append(pad.mask_dtype)
-            nbytes += sum(r.nbytes for r in rag)
+            nbytes += (int(row_shapes.prod(axis=1).sum()) if n else 0) * dt.itemsize
         all_shapes, all_dtypes = shapes + mask_shapes, dtypes + mask_dtypes
         if use_ring and self._ring is not None:
             bufs = self._ring.take(all_shapes, all_dtypes)
@@ -469,6 +473,11 @@ class PadRebatcher:
             if r.rows_list is not None:  # rows given one by one: each copied once, in turn
                 for t, row in enumerate(r.rows_list):
                     dst[(k0 + t,) + tuple(slice(0, s) for s in row.shape)] = row
+            elif b <= FEW_ROWS:  # a few rows of a chunk (a window's pick): row by row costs less than an index
+                assert r.values is not None and r.starts is not None
+                for t, (start, shape) in enumerate(zip(r.starts.tolist(), r.shapes.tolist())):
+                    size = math.prod(shape)
+                    dst[(k0 + t,) + tuple(slice(0, s) for s in shape)] = r.values[start:start + size].reshape(shape)
             else:
                 assert r.values is not None and r.starts is not None
                 count = len(r.values) // unit

@@ -132,6 +132,8 @@ class Ragged:
 
     def sizes(self) -> np.ndarray:
         """Elements per row, as an int64 array."""
+        if self.row_ndim == 1:
+            return self.shapes[:, 0]
         out: np.ndarray = self.shapes.prod(axis=1) if self.row_ndim else np.ones(len(self), np.int64)
         return out
 
