@@ -18,7 +18,7 @@ from .processes.parent import ProcessOptions, get_context
 from .processes.sending import check_sendable
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
-from .validation import InputSpec, _holds, fixed_batch_inputs
+from .validation import InputSpec, fixed_batch_inputs, holds_value
 
 log = logging.getLogger("feeder")
 
@@ -396,7 +396,7 @@ def _mask_names(pad: Any, explicit: Optional[Dict[str, str]], session_specs: Opt
             masks[name] = explicit[name]
         elif f"{name}_mask" in session:
             masks[name] = f"{name}_mask"
-        elif prefix and f"{prefix}attention_mask" in session and f"{prefix}attention_mask" not in pad:
+        elif prefix is not None and f"{prefix}attention_mask" in session and f"{prefix}attention_mask" not in pad:
             masks[name] = f"{prefix}attention_mask"  # the Hugging Face names: input_ids -> attention_mask
         else:
             rest.append(name)
@@ -444,7 +444,7 @@ def _padding(pad: Dict[str, Any], masks: Dict[str, str], multiple: Any, window: 
         if spec.shape is not None and len(spec.shape) < 2:
             raise ValueError(f"input {name!r} has rank {len(spec.shape)} in the session: a padded input has rows of "
                              f"rank >= 1 (a batch axis and at least one more)")
-        if spec.dtype is not None and not _holds(spec.dtype, value):
+        if spec.dtype is not None and not holds_value(spec.dtype, value):
             raise ValueError(f"pad value {value!r} for input {name!r} does not fit its dtype {spec.dtype}")
         specs[i] = dataclasses.replace(spec, pad=value)
         mask = by_session.get(masks[name])

@@ -273,7 +273,7 @@ class ChunkValidator:
         key = (i, a.dtype)
         fits = self._pad_fits.get(key)
         if fits is None and not empty:
-            fits = self._pad_fits[key] = _holds(a.dtype, spec.pad)
+            fits = self._pad_fits[key] = holds_value(a.dtype, spec.pad)
         if fits is False:
             raise self._fail(worker_id, name, f"a dtype that holds the pad value {spec.pad!r}", f"dtype {a.dtype}")
         return a
@@ -410,7 +410,7 @@ def _same_pad(a: Any, b: Any) -> bool:
     return bool(a == b) or bool(np.isnan(a) and np.isnan(b))
 
 
-def _holds(dtype: np.dtype, value: Any) -> bool:
+def holds_value(dtype: np.dtype, value: Any) -> bool:
     """Whether ``dtype`` holds ``value`` exactly (the pad value of an input of that dtype)."""
     try:
         with np.errstate(all="ignore"):
