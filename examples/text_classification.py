@@ -183,8 +183,8 @@ def score(session: Any, tok: Any, texts: Sequence[str], batch_size: int, window:
                 break
             predicted[rows] = label
         seconds = time.perf_counter() - start
-        rb = feed._rebatcher  # padded and real token positions, counted as batches were made
-        padded, real = rb.padded_elements, rb.real_elements  # type: ignore[union-attr]
+        m = feed.metrics()  # token positions of the batches made: padding, and tokens
+        padded, real = int(m["padded_elements"]), int(m["row_elements"])
     assert (predicted >= 0).all(), "every row is scored exactly once"
     return {"predicted": predicted, "seconds": seconds, "rows_per_s": len(texts) / seconds,
             "padded": padded, "padded_share": padded / max(1, padded + real)}

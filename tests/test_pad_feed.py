@@ -74,7 +74,9 @@ def test_each_form_of_ragged_rows_is_padded_with_its_mask(coord, form):
         for batch in feed:
             assert list(batch) == ["tokens", "id", "tokens_mask"] and batch["tokens_mask"].dtype == bool
             seen += check(batch, -1, 4)
+        m = feed.metrics()
     assert sorted(seen) == list(range(60))
+    assert m["row_elements"] == sum(k % 7 for k in range(60)) and m["padded_elements"] > 0
 
 
 class ShardedRows:
