@@ -27,13 +27,14 @@ from .coordinator import GlobalCoordinator, global_coordinator
 from .errors import FeederError, FeedStopped, FeedTimeout, FetchError, InputValidationError, RemoteError
 from .feed import Feed
 from .prometheus import PrometheusLogger  # imports prometheus_client only when one is created
+from .ragged import Ragged
 from .runtime import OrtTrainingModule, StatefulSession
 from .scoring.predictor import PredictResult, predict  # imports pyarrow only when predict() runs
 
 __all__ = [
     "init_data_input_workers", "predict", "PredictResult",
     "GlobalCoordinator", "global_coordinator", "Feed", "ChunkQueue",
-    "StatefulSession", "OrtTrainingModule", "PrometheusLogger",
+    "StatefulSession", "OrtTrainingModule", "PrometheusLogger", "Ragged",
     "FeederError", "FeedStopped", "FeedTimeout", "FetchError", "InputValidationError", "RemoteError",
 ]
 __version__ = "0.1.0"

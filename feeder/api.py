@@ -1,11 +1,12 @@
 """The public entry point, ``init_data_input_workers``: argument checks, then registration."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -13,11 +14,12 @@ from .chunkqueue import ChunkQueue
 from .coordinator import GlobalCoordinator, global_coordinator
 from .device import CPU, Placement, parse_device, resolve
 from .feed import Feed, check_batch_size
+from .padding import Padding, PadInput
 from .processes.parent import ProcessOptions, get_context
 from .processes.sending import check_sendable
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
-from .validation import InputSpec, fixed_batch_inputs
+from .validation import InputSpec, fixed_batch_inputs, holds_value
 
 log = logging.getLogger("feeder")
 
@@ -80,6 +82,10 @@ def init_data_input_workers(
     worker_init_fun: Optional[Callable[[int], Any]] = None,
     seed: Optional[int] = None,
     device: Optional[str] = None,
+    pad: Optional[Dict[str, Union[int, float, bool]]] = None,
+    pad_to_multiple_of: Optional[int] = None,
+    length_window: Optional[int] = None,
+    mask_names: Optional[Dict[str, str]] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -149,6 +155,24 @@ def init_data_input_workers(
             reused, so that the copy of the next batch overlaps the run of this one (see the
             guide, "GPUs"); ``"cpu:staged"`` that device path with host memory standing in for
             the device (to test it without a GPU).
+        pad: ``{input name: pad value}``: inputs whose rows may differ in shape (a list of
+            arrays per chunk, one per row; a 1-d object array of arrays; a
+            :class:`feeder.Ragged`; or a plain array). Each batch is padded to its longest row
+            along each axis (rounded up to ``pad_to_multiple_of``; an axis the session fixes is
+            padded to that size) with the value, and gains a mask per padded input (1 for
+            values, 0 for padding; the padded input's shape; the dtype of the session's input
+            of that name, else bool), named as ``mask_names`` says. Inputs not named here must
+            still agree in shape. None: no padding.
+        pad_to_multiple_of: Round each padded axis up to a multiple of this many (> 0) positions;
+            None: to the longest row.
+        length_window: Hold up to this many rows (>= ``batch_size``) and cut them, sorted by
+            length, into batches of rows of similar length (fewer padded positions); order
+            within the window is given up (``ordered=True`` keeps it deterministic). Needs ``pad``.
+        mask_names: ``{padded input: mask name}``, for masks named otherwise than the rule:
+            ``<input>_mask``, unless the session has no such input but has ``attention_mask``
+            (``decoder_attention_mask`` for ``decoder_input_ids``), which it then takes (for one
+            padded input). A mask need not be in ``input_names``: ``fetch_fun`` never returns it,
+            and a session input of its name is fed with it.
 
     Returns:
         The coordinator the feed was registered on (the same object every time): call
@@ -220,11 +244,21 @@ def init_data_input_workers(
                         f"got {type(session).__name__}")
     placement = _placement(session, device)
     session_specs = input_specs(session) if session is not None else None
-    names = _input_names(input_names, session_specs)
+    masks = _mask_names(pad, mask_names, session_specs)
+    names = _input_names(input_names, session_specs, masks.values())
     specs = _specs_for(names, session_specs)
     axes = _batch_axes(batch_columns, names, specs)
     check_batch_size(batch_size, specs, axes, dont_rebatch)
-    fixed = fixed_batch_inputs(specs, axes)
+    padding: Optional[Padding] = None
+    mask_specs: List[InputSpec] = []
+    if pad is not None:
+        specs, mask_specs, padding = _padding(pad, masks, pad_to_multiple_of, length_window, names, specs, axes,
+                                              session_specs, batch_size, dont_rebatch)
+    elif pad_to_multiple_of is not None or length_window is not None:
+        raise ValueError("pad_to_multiple_of and length_window need pad= (the inputs whose rows differ in shape: "
+                         "without them there is nothing to pad, nor any length to sort by)")
+    check_batch_size(batch_size, mask_specs, [0] * len(mask_specs), dont_rebatch)
+    fixed = fixed_batch_inputs(specs + mask_specs, axes + [0] * len(mask_specs))
     if fixed and not dont_rebatch and last_batch == "keep":
         # The runtime cannot take a short batch on a fixed batch dimension, so a finite source's
         # short last batch is dropped (logged and counted) rather than failing inside run().
@@ -262,7 +296,7 @@ def init_data_input_workers(
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
-                    placement=placement)
+                    placement=placement, padding=padding)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,
@@ -294,11 +328,14 @@ def _loggers(external_loggers: Optional[Sequence[Any]]) -> List[Any]:
     return loggers
 
 
-def _input_names(input_names: Optional[Sequence[str]], session_specs: Optional[List[InputSpec]]) -> List[str]:
+def _input_names(input_names: Optional[Sequence[str]], session_specs: Optional[List[InputSpec]],
+                 masks: Collection[str] = ()) -> List[str]:
+    """The inputs fetch_fun returns: ``input_names`` (or the session's inputs), masks excepted."""
+    masks = set(masks)
     if input_names is None:
         if session_specs is None:
             raise ValueError("input_names is required when session is None")
-        return [s.name for s in session_specs]
+        return [s.name for s in session_specs if s.name not in masks]
     if isinstance(input_names, str) or not hasattr(input_names, "__iter__"):
         raise TypeError(f"input_names must be a list of str, got {type(input_names).__name__}")
     names = list(input_names)
@@ -310,12 +347,15 @@ def _input_names(input_names: Optional[Sequence[str]], session_specs: Optional[L
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"input_names has duplicates: {dupes}")
+    names = [n for n in names if n not in masks]  # made by padding, never fetched
+    if not names:
+        raise ValueError("input_names must name at least one input that fetch_fun returns (not only masks)")
     if session_specs is not None:
         known = [s.name for s in session_specs]
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"input_names {unknown} are not inputs of the session (its inputs: {known})")
-        missing = [n for n in known if n not in names]
+        missing = [n for n in known if n not in names and n not in masks]
         if missing:
             raise ValueError(f"the session's inputs {missing} are not in input_names {names}; "
                              f"feed.run() needs every input")
@@ -343,3 +383,107 @@ def _batch_axes(batch_columns: Optional[Sequence[int]], names: List[str], specs:
             raise ValueError(f"batch_columns entry {ax} for input {spec.name!r} is out of range for its rank "
                              f"{len(spec.shape)}")
     return [int(a) for a in axes]
+
+
+def _mask_names(pad: Any, explicit: Optional[Dict[str, str]], session_specs: Optional[List[InputSpec]]
+                ) -> Dict[str, str]:
+    """Each padded input's mask name: ``mask_names``, else ``<input>_mask``, else the session's
+    ``attention_mask`` (see the docstring of init_data_input_workers, ``mask_names``)."""
+    if pad is None:
+        if explicit is not None:
+            raise ValueError("mask_names needs pad= (only padded inputs have masks)")
+        return {}
+    if not isinstance(pad, dict) or not pad:
+        raise TypeError(f"pad must be a non-empty dict {{input name: pad value}}, got {pad!r:.100}")
+    for name, value in pad.items():
+        if not isinstance(name, str):
+            raise TypeError(f"pad's keys must be input names (str), got {name!r}")
+        if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+            value = value.item()
+        if not isinstance(value, (bool, int, float)):
+            raise TypeError(f"pad value for input {name!r} must be a number, got {type(value).__name__}")
+    if explicit is not None:
+        if not isinstance(explicit, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                     for k, v in explicit.items()):
+            raise TypeError(f"mask_names must be a dict {{padded input: mask name}} of str, got {explicit!r:.100}")
+        unknown = sorted(set(explicit) - set(pad))
+        if unknown:
+            raise ValueError(f"mask_names names inputs that are not padded: {unknown} (padded: {sorted(pad)})")
+    explicit = explicit or {}
+    session = [s.name for s in session_specs] if session_specs is not None else []
+    masks: Dict[str, str] = {}
+    rest = []
+    for name in pad:
+        prefix = name[:-len("input_ids")] if name.endswith("input_ids") else None
+        if name in explicit:
+            masks[name] = explicit[name]
+        elif f"{name}_mask" in session:
+            masks[name] = f"{name}_mask"
+        elif prefix is not None and f"{prefix}attention_mask" in session and f"{prefix}attention_mask" not in pad:
+            masks[name] = f"{prefix}attention_mask"  # the Hugging Face names: input_ids -> attention_mask
+        else:
+            rest.append(name)
+    taken = set(masks.values())
+    if len(rest) == 1 and "attention_mask" in session and "attention_mask" not in taken | set(pad):
+        masks[rest.pop()] = "attention_mask"
+    for name in rest:
+        masks[name] = f"{name}_mask"
+    clash = sorted({m for m in masks.values() if list(masks.values()).count(m) > 1} | (set(masks.values()) & set(pad)))
+    if clash:
+        raise ValueError(f"mask names {clash} clash (two padded inputs' masks, or a mask named like a padded input): "
+                         f"set mask_names")
+    return masks
+
+
+def _padding(pad: Dict[str, Any], masks: Dict[str, str], multiple: Any, window: Any, names: List[str],
+             specs: List[InputSpec], axes: List[int], session_specs: Optional[List[InputSpec]], batch_size: int,
+             dont_rebatch: bool) -> Tuple[List[InputSpec], List[InputSpec], Padding]:
+    """The specs of the fetched inputs with their pad values, the masks' specs, and the feed's Padding."""
+    if multiple is not None:
+        multiple = _int("pad_to_multiple_of", multiple, 1)
+    if window is not None:
+        window = _int("length_window", window, 1)
+        if dont_rebatch:
+            raise ValueError("length_window cannot sort rows into batches with dont_rebatch=True (each chunk is its "
+                             "own batch)")
+        if window < batch_size:
+            raise ValueError(f"length_window={window} holds fewer rows than one batch (batch_size={batch_size}): it "
+                             f"must be >= batch_size, typically many batches (e.g. 16 * batch_size)")
+    missing = [n for n in pad if n not in names]
+    if missing:
+        raise ValueError(f"pad names {missing}, which are not inputs that fetch_fun returns ({names})")
+    by_session = {s.name: s for s in session_specs} if session_specs is not None else {}
+    specs = list(specs)
+    pads = []
+    for name, value in pad.items():
+        i = names.index(name)
+        if isinstance(value, np.generic):
+            value = value.item()
+        spec = specs[i]
+        if axes[i] != 0:
+            raise ValueError(f"input {name!r} is padded, so its batch axis must be 0 (batch_columns says {axes[i]})")
+        if spec.is_string:
+            raise ValueError(f"input {name!r} is a string input: only numeric inputs can be padded")
+        if spec.shape is not None and len(spec.shape) < 2:
+            raise ValueError(f"input {name!r} has rank {len(spec.shape)} in the session: a padded input has rows of "
+                             f"rank >= 1 (a batch axis and at least one more)")
+        if spec.dtype is not None and not holds_value(spec.dtype, value):
+            raise ValueError(f"pad value {value!r} for input {name!r} does not fit its dtype {spec.dtype}")
+        specs[i] = dataclasses.replace(spec, pad=value)
+        mask = by_session.get(masks[name])
+        mask_dtype = mask.dtype if mask is not None and mask.dtype is not None else np.dtype(bool)
+        if mask is not None:
+            if mask.is_string:
+                raise ValueError(f"the session's input {mask.name!r}, the mask of padded input {name!r}, takes "
+                                 f"strings")
+            if mask.shape is not None and spec.shape is not None and len(mask.shape) != len(spec.shape):
+                raise ValueError(f"the session's input {mask.name!r}, the mask of padded input {name!r}, has rank "
+                                 f"{len(mask.shape)}; a mask has the padded input's shape (rank {len(spec.shape)}): "
+                                 f"use mask_names to name another input")
+        fixed = tuple(spec.shape[1:]) if spec.shape is not None else ()
+        if mask is not None and mask.shape is not None:  # the mask's fixed axes fix the padded input's too
+            fixed = tuple(a if a is not None else b for a, b in zip(fixed or (None,) * (len(mask.shape) - 1),
+                                                                     mask.shape[1:]))
+        pads.append(PadInput(i, name, value, fixed, masks[name], np.dtype(mask_dtype)))
+    mask_specs = [by_session.get(p.mask_name) or InputSpec(p.mask_name, np.dtype(bool)) for p in pads]
+    return specs, mask_specs, Padding(tuple(pads), multiple, window)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from multiprocessing.context import BaseContext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from .errors import Failure, FeederError, FeedStopped, FeedTimeout
 from .feedstats import FeedStats
 from .fetchers import SLICE_S, ThreadFetchers
 from .metrics import ConsumerCounters, RateMeter
+from .padding import ByteRing, Padding, PadRebatcher
 from .processes.parent import STACK_LEAD_S, ProcessOptions, ProcFetchers
 from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Rebatcher
@@ -87,7 +88,7 @@ class Feed:
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
-                 placement: Optional[Placement] = None):
+                 placement: Optional[Placement] = None, padding: Optional[Padding] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -95,8 +96,9 @@ class Feed:
         # input_names may end with the row-key column (feeder.rowkeys): rebatched with the inputs,
         # stripped from every batch before anyone sees it.
         self._all_names: List[str] = list(input_names)
-        self.input_names: List[str] = public_names(input_names)
-        self._keyed = len(self._all_names) > len(self.input_names)
+        # pad=: each padded input's mask follows the inputs in every batch (feeder.padding)
+        self.input_names: List[str] = public_names(input_names) + (padding.mask_names() if padding else [])
+        self._keyed = len(self._all_names) > len(public_names(input_names))
         self.worker_ids: List[int] = list(worker_ids)
         self._batch_size = int(batch_size)
         self._axes = tuple(batch_axes)
@@ -131,9 +133,17 @@ class Feed:
         self._ready = ReadyQueue(1)  # sized by the first batch, see ready_depth
         if self._keyed and source.row_keys is not None:
             self._ready.on_pop = source.row_keys.record
-        # Batches the rebatcher assembles: in staging memory the device copies from fast, on a device.
-        self._ring = BufferRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
-        self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
+        self._padding = padding
+        self._rebatcher: Union[Rebatcher, PadRebatcher]
+        self._ring: Union[BufferRing, ByteRing]
+        if padding is not None:  # batches of one shape from rows of many (feeder.padding)
+            self._ring = ByteRing(READY_MAX + 2)
+            self._rebatcher = PadRebatcher(self._batch_size, self._axes, padding.pads, padding.multiple,
+                                           padding.window, self._ring, keyed=self._keyed)
+        else:
+            # Batches the rebatcher assembles: in staging memory the device copies from fast, on a device.
+            self._ring = BufferRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
+            self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         # One interface for both ways of fetching (feeder.fetchers, feeder.processes.parent).
         self._fetchers: Any
         if processes is not None:
@@ -317,9 +327,9 @@ class Feed:
         if new_size is not None:
             rb.set_batch_size(new_size)
         while len(ready) < ready.maxsize:
-            if rb.pending_rows >= rb.batch_size:
+            if rb.has_batch():
                 arrays = rb.pop()
-                if arrays is not None and not self._emit(arrays, rb.batch_size):
+                if arrays is not None and not self._emit(arrays, rb.batch_size, rb.last_nbytes):
                     return CLOSED
                 continue
             item = source.get(0.0)
@@ -338,6 +348,9 @@ class Feed:
         self._rows_taken += item.rows
         self._inflight_rows = item.rows  # in this thread's hands: still counted as held
         if self.dont_rebatch:
+            if isinstance(self._rebatcher, PadRebatcher):
+                return self._emit(self._rebatcher.pad_whole(item.arrays, item.rows), item.rows,
+                                  self._rebatcher.last_nbytes)
             return self._emit(list(item.arrays), item.rows)
         self._rebatcher.add(item.arrays, item.rows)
         self._inflight_rows = 0
@@ -370,7 +383,7 @@ class Feed:
             if source.put(chunk, 0.0, notify=False) is not True:
                 return None
             self._pump_ready()
-            if source.qsize() or self._rebatcher.pending_rows >= self._rebatcher.batch_size:
+            if source.qsize() or self._rebatcher.has_batch():
                 source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
             return True
         finally:
@@ -386,11 +399,11 @@ class Feed:
             arrays = rb.pop()
             if arrays is None:
                 return True
-            if not self._emit(arrays, rb.batch_size):
+            if not self._emit(arrays, rb.batch_size, rb.last_nbytes):
                 return False
         return True
 
-    def _emit(self, arrays: List[np.ndarray], rows: int) -> bool:
+    def _emit(self, arrays: List[np.ndarray], rows: int, nbytes: Optional[int] = None) -> bool:
         self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
         keys = None
         if self._keyed:
@@ -399,6 +412,8 @@ class Feed:
         if keys is not None:
             batch.keys = keys
             batch.nbytes += keys.nbytes  # the source counted them in; delivery must count them out
+        if nbytes is not None:  # a padded batch: its chunks' bytes are what the source counted in
+            batch.nbytes = nbytes
         if self._runner is not None:
             try:
                 self._runner.prepare(batch)
@@ -445,12 +460,13 @@ class Feed:
         """End of data: hand on the whole batches left (a producer's pump may have left some), then
         the short last batch or drop it, then the end marker."""
         rb = self._rebatcher
+        rb.end_of_data()  # a length window is cut whatever it holds
         if not self._emit_full_batches():
             return
         if rb.pending_rows:
             if self.last_batch == "keep":
                 n = rb.pending_rows
-                if not self._emit(cast(List[np.ndarray], rb.flush()), n):
+                if not self._emit(cast(List[np.ndarray], rb.flush()), n, rb.last_nbytes):
                     return
             else:
                 nbytes = rb.pending_nbytes

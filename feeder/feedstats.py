@@ -23,7 +23,7 @@ METRIC_KEYS: Tuple[str, ...] = (
     "fetch_errors", "rows_dropped", "consumer_wait_s", "live_workers", "active_workers", "uptime_s",
     "source_rows_fetched", "source_rows_delivered", "source_rows_dropped", "source_rows_discarded",
     "source_rows_buffered", "source_bytes_held", "buffer_allocations", "bytes_delivered", "bytes_copied",
-    "zero_copy_batches",
+    "zero_copy_batches", "padded_elements", "row_elements",
     # stage times (feeder.diagnosis)
     "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s", "fetch_cpu_s",
     "fetch_cpu_wall_s",
@@ -37,7 +37,7 @@ TOTALS: FrozenSet[str] = frozenset({
     "fetch_errors", "rows_dropped", "consumer_wait_s", "source_rows_fetched", "source_rows_delivered",
     "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
     "zero_copy_batches", "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
-    "fetch_cpu_s", "fetch_cpu_wall_s",
+    "fetch_cpu_s", "fetch_cpu_wall_s", "padded_elements", "row_elements",
 })
 # Figures of the source as a whole (its queue and ledger): every replica of a source reports the same.
 SOURCE_KEYS: FrozenSet[str] = frozenset(
@@ -120,6 +120,9 @@ class FeedStats:
             "bytes_delivered": c["bytes"],
             "bytes_copied": float(self.feed._rebatcher.copied_bytes + sum(w.copied_bytes for w in self.feed._workers)),
             "zero_copy_batches": float(self.feed._rebatcher.zero_copy_batches),
+            # pad=: elements of padded inputs in batches made that hold the pad value, and a row's value
+            "padded_elements": float(getattr(self.feed._rebatcher, "padded_elements", 0)),
+            "row_elements": float(getattr(self.feed._rebatcher, "real_elements", 0)),
         }
         m.update(self._stage_metrics(now, c))
         return {k: float(v) for k, v in m.items()}  # the contract: dict[str, float]

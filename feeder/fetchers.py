@@ -461,7 +461,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn."""
     wid = state.worker_id
     co = None
-    if coalesce:
+    if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
         co = Coalescer(state, source, validator.axes, batch_size(),
                        lambda chunk: put_chunk(source, chunk, state, stop, pump))
         source.add_flusher(co.flush_if_stale)

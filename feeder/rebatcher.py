@@ -184,6 +184,7 @@ class Rebatcher:
         self.copied_bytes = 0  # bytes copied into assembled batches
         self.zero_copy_batches = 0
         self.copied_batches = 0
+        self.last_nbytes: Optional[int] = None  # (feeder.padding's: a batch's bytes are its chunks' here)
 
     @property
     def pending_nbytes(self) -> int:
@@ -217,6 +218,13 @@ class Rebatcher:
         """``add`` for a caller that has checked the chunk: a tuple of arrays with ``rows`` > 0 rows."""
         self._pending.append((rows, arrays))
         self.pending_rows += rows
+
+    def has_batch(self) -> bool:
+        """Whether :meth:`pop` would return a batch now."""
+        return self.pending_rows >= self.batch_size
+
+    def end_of_data(self) -> None:
+        """No more chunks will come (nothing is held back here: see ``feeder.padding``)."""
 
     def pop(self) -> Optional[List[np.ndarray]]:
         """The next full batch, or None if fewer than ``batch_size`` rows are pending."""

@@ -92,7 +92,7 @@ class PreparedBatch:
     the device slot (``feeder.device.Slot``) the batch was copied into, busy until it was run."""
 
     __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
-                 "output_where", "shape_key", "slot")
+                 "output_where", "shape_key", "slot", "unfed")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
                  ortvalues: Optional[List[Any]] = None):
@@ -108,9 +108,13 @@ class PreparedBatch:
         self.output_where = "host"              # where they are bound: "host" buffers or "device" values
         self.shape_key: Any = None              # the input shapes: what the output shapes were learned for
         self.slot: Any = None                   # its device slot (feeder.device.Slot), on a device feed
+        self.unfed: Optional[Dict[str, np.ndarray]] = None  # arrays the session takes not (a pad mask it lacks)
 
     def as_dict(self) -> Dict[str, np.ndarray]:
-        return dict(zip(self.names, self.arrays))
+        out = dict(zip(self.names, self.arrays))
+        if self.unfed:
+            out.update(self.unfed)
+        return out
 
     def release(self) -> None:
         """Give its device slot back (after its run, or when it is handed out without one)."""
@@ -190,12 +194,16 @@ class Runner:
         self._out_rings: Dict[Any, BufferRing] = {}
         self._out_lock = threading.Lock()
         self._dropped_allocations = 0  # those of rings dropped (output_allocations)
+        # Batch arrays the session has no input for (the mask of a padded input, for the caller of
+        # next_batch()): kept with the batch, never bound.
+        self._unfed = {n for n in self.input_names if n not in specs} if specs else set()
         self.placement = placement if placement is not None else CPU
         self.slots: Optional[SlotRing] = None
         self._graph = False
         if self._use_binding and self.placement.on_device:
             memory = DeviceMemory(self.placement, self._ort)
-            self.slots = SlotRing(memory, self.input_names, ring_size, make_binding=session.io_binding)
+            fed = [n for n in self.input_names if n not in self._unfed]
+            self.slots = SlotRing(memory, fed, ring_size, make_binding=session.io_binding)
             self._graph = cuda_graph_enabled(session)
         self._out_device = (self.slots.memory.device_type if self.slots is not None else "cpu",
                             self.placement.index)
@@ -262,6 +270,10 @@ class Runner:
             return ring.take(template[0], template[1])
 
     def prepare(self, batch: PreparedBatch) -> PreparedBatch:
+        if self._unfed and batch.unfed is None:
+            batch.unfed = {n: a for n, a in zip(batch.names, batch.arrays) if n in self._unfed}
+            fed = [(n, a) for n, a in zip(batch.names, batch.arrays) if n not in self._unfed]
+            batch.names, batch.arrays = [n for n, _ in fed], [a for _, a in fed]
         if self._custom:
             prepare = getattr(self.session, "prepare_batch", None)
             if prepare is not None:
@@ -346,7 +358,7 @@ class Runner:
             if self._custom:
                 return list(self.session.run_batch(batch, output_names, run_options))
             names = list(output_names) if output_names is not None else self._all_outputs
-            return list(self.session.run(names, batch.as_dict(), run_options))
+            return list(self.session.run(names, dict(zip(batch.names, batch.arrays)), run_options))
         binding = batch.binding
         if binding is None:  # not prepared by an enqueuer (a batch made by hand)
             self.prepare(batch)

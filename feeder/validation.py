@@ -16,16 +16,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import InputValidationError
+from .ragged import Ragged
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """What one input accepts. ``dtype`` None: any; ``shape`` None: any rank; a None dim: any size."""
+    """What one input accepts. ``dtype`` None: any; ``shape`` None: any rank; a None dim: any size.
+    ``pad``: the pad value of an input named in ``pad=`` (None: not padded), whose rows may differ
+    in shape (see ``feeder.ragged``); a fixed dim of such an input is the most a row may have."""
 
     name: str
     dtype: Optional[np.dtype] = None
     shape: Optional[Tuple[Optional[int], ...]] = None
     is_string: bool = False
+    pad: Any = None
 
 
 def fixed_batch_inputs(specs: Sequence[InputSpec], axes: Sequence[int]) -> List[str]:
@@ -74,6 +78,9 @@ class ChunkValidator:
         self._learned = False
         self._fast: Optional[List[Tuple[Any, ...]]] = None
         self._single: Optional[Tuple[Any, ...]] = None
+        # Inputs whose rows may differ in shape (pad=): normalised to a Ragged, or a plain array.
+        self.ragged = any(s.pad is not None for s in specs)
+        self._pad_fits: Dict[Tuple[int, np.dtype], bool] = {}
         self._build_fast()
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -97,7 +104,7 @@ class ChunkValidator:
     def _build_fast(self) -> None:
         """Precompute the per-input (dtype, axis, rank, other dims) of the fast path, once every
         expectation is fixed; the full checks (and their messages) run only when it misses."""
-        if not self.learn:
+        if not self.learn or self.ragged:
             return
         fast = []
         for spec, ax in zip(self.specs, self.axes):
@@ -168,11 +175,23 @@ class ChunkValidator:
     def __call__(self, chunk: Any, worker_id: int) -> Tuple[np.ndarray, ...]:
         arrays = self._normalise(chunk, worker_id)
         rows = None
-        out: List[np.ndarray] = []
+        out: List[Any] = []
         for i, a in enumerate(arrays):
             name, spec, axis = self.names[i], self.specs[i], self.axes[i]
+            if spec.pad is not None:
+                a = self._ragged_input(a, i, worker_id)
+                n = len(a) if isinstance(a, Ragged) else a.shape[0]
+                if rows is None:
+                    rows = n
+                elif n != rows:
+                    raise self._fail(worker_id, name, f"{rows} rows like input {self.names[0]!r}", f"{n} rows")
+                out.append(a)
+                continue
             if not isinstance(a, np.ndarray):
-                raise self._fail(worker_id, name, "a numpy array", _describe(a))
+                hint = ""
+                if isinstance(a, Ragged) or (isinstance(a, (list, tuple)) and a and isinstance(a[0], np.ndarray)):
+                    hint = " (rows of different shapes: name the input in pad= to pad them)"
+                raise self._fail(worker_id, name, "a numpy array", _describe(a) + hint)
             a = self._check_dtype(a, spec, worker_id, self._declared[i].dtype is None)
             if a.ndim <= axis:
                 raise self._fail(worker_id, name, f"an array with batch axis {axis} (rank > {axis})",
@@ -199,6 +218,65 @@ class ChunkValidator:
         if self.learn and rows and not self._learned and not self._learn(out):
             return self(tuple(out), worker_id)  # another worker learned first: check against it
         return tuple(out)
+
+    def _ragged_input(self, a: Any, i: int, worker_id: int) -> Any:
+        """A padded input's rows as a Ragged (or a plain array: rows of one shape), checked:
+        numeric, the input's dtype (cast where allowed), the input's rank, no row longer than a
+        size the session fixes, a pad value that the dtype holds."""
+        spec, name = self.specs[i], self.names[i]
+        if isinstance(a, np.ndarray) and a.dtype.kind == "O":
+            if a.ndim != 1:
+                raise self._fail(worker_id, name, "rows of different shapes as a 1-d object array of arrays",
+                                 f"an object array of shape {a.shape}")
+            a = list(a)
+        if isinstance(a, (list, tuple)):
+            try:
+                a = Ragged.from_rows(a)
+            except (ValueError, TypeError) as e:
+                raise self._fail(worker_id, name, "a list of numeric arrays of one dtype and rank, one per row",
+                                 str(e)) from None
+        if not isinstance(a, (Ragged, np.ndarray)):
+            raise self._fail(worker_id, name, "rows as a list of arrays, a feeder.Ragged or a numpy array",
+                             _describe(a))
+        rank = a.ndim
+        if isinstance(a, np.ndarray) and rank < 2:
+            raise self._fail(worker_id, name, "rows of rank >= 1 (a padded input has a batch axis and at least one "
+                             "more)", f"rank {rank}, shape {a.shape}")
+        empty = not len(a)
+        if a.dtype.kind not in "biufc" and not empty:
+            raise self._fail(worker_id, name, "numeric rows (a padded input cannot hold strings or objects)",
+                             f"dtype {a.dtype}")
+        want = spec.dtype
+        if want is not None and a.dtype != want and not empty:
+            learned = self._declared[i].dtype is None
+            if not (self.cast and can_cast(a.dtype, want)):
+                hint = "" if self.cast else " (cast=True converts safe casts)"
+                raise self._fail(worker_id, name, f"dtype {want}{_LEARNED if learned else ''}",
+                                 f"dtype {a.dtype}{hint}")
+            if want.kind in "iu" and a.dtype.kind in "iu":
+                info = np.iinfo(want)
+                lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
+                if lo < info.min or hi > info.max:
+                    raise self._fail(worker_id, name, f"values that fit {want}", f"{a.dtype} values in [{lo}, {hi}]")
+            a = a.astype(want)
+        if spec.shape is not None and not empty:
+            if rank != len(spec.shape):
+                origin = _LEARNED if self._declared[i].shape is None else ""
+                raise self._fail(worker_id, name, f"rows of rank {len(spec.shape) - 1} (a batch of shape "
+                                 f"{_fmt(spec.shape)}){origin}", f"rows of rank {rank - 1}")
+            longest = a.shapes.max(axis=0) if isinstance(a, Ragged) else a.shape[1:]
+            for d, fixed in enumerate(spec.shape[1:]):
+                if fixed is not None and int(longest[d]) > fixed:
+                    raise self._fail(worker_id, name, f"rows of at most {fixed} along axis {d + 1} (the session's "
+                                     f"shape {_fmt(spec.shape)}; shorter rows are padded to it)",
+                                     f"a row of {int(longest[d])}")
+        key = (i, a.dtype)
+        fits = self._pad_fits.get(key)
+        if fits is None and not empty:
+            fits = self._pad_fits[key] = holds_value(a.dtype, spec.pad)
+        if fits is False:
+            raise self._fail(worker_id, name, f"a dtype that holds the pad value {spec.pad!r}", f"dtype {a.dtype}")
+        return a
 
     def _normalise(self, chunk: Any, worker_id: int) -> Sequence[Any]:
         if isinstance(chunk, dict):
@@ -268,13 +346,16 @@ class ChunkValidator:
                 return False
             # A str/bytes array makes a string input (any width; object arrays of str accepted too);
             # any other dtype is fixed to the first chunk's.
-            strings = [s.is_string or a.dtype.kind in "US" or (a.dtype.kind == "O" and _all_strings(a))
+            strings = [s.pad is None and (s.is_string or a.dtype.kind in "US"
+                                          or (a.dtype.kind == "O" and _all_strings(a)))
                        for s, a in zip(self.specs, arrays)]
             self.specs = [
                 InputSpec(s.name,
                           None if is_str else (s.dtype if s.dtype is not None else a.dtype),
+                          # a padded input's rows differ in shape: only its rank is learned
+                          (s.shape if s.shape is not None else (None,) * a.ndim) if s.pad is not None else
                           tuple(None if d == ax else a.shape[d] for d in range(a.ndim)),
-                          is_str)
+                          is_str, s.pad)
                 for s, a, ax, is_str in zip(self.specs, arrays, self.axes, strings)]
             self._learned = True
             self._build_fast()
@@ -301,6 +382,10 @@ def _merge(source: str, old: InputSpec, new: InputSpec, origin: str = "") -> Inp
                           f"but this registration's session takes {_spec_text(new)}; replicas share one queue and "
                           f"rebatch each other's chunks, so they must accept the same chunks")
 
+    if not _same_pad(old.pad, new.pad):
+        raise ValueError(f"source {source!r}, input {old.name!r}: the source is already fed with pad value "
+                         f"{old.pad!r} for it, this registration with {new.pad!r}; replicas share one queue and "
+                         f"must pad the same inputs with the same value")
     if old.is_string or new.is_string:
         if (old.dtype is not None and not old.is_string) or (new.dtype is not None and not new.is_string):
             raise conflict()
@@ -316,7 +401,23 @@ def _merge(source: str, old: InputSpec, new: InputSpec, origin: str = "") -> Inp
                                                    for a, b in zip(old.shape, new.shape)):
             raise conflict()
         shape = tuple(a if a is not None else b for a, b in zip(old.shape, new.shape))
-    return InputSpec(old.name, dtype, shape, is_string)
+    return InputSpec(old.name, dtype, shape, is_string, old.pad)
+
+
+def _same_pad(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(a == b) or bool(np.isnan(a) and np.isnan(b))
+
+
+def holds_value(dtype: np.dtype, value: Any) -> bool:
+    """Whether ``dtype`` holds ``value`` exactly (the pad value of an input of that dtype)."""
+    try:
+        with np.errstate(all="ignore"):
+            v = np.array(value).astype(dtype)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return bool(v == value) or bool(np.isnan(v) and np.isnan(value)) if dtype.kind in "fc" else bool(v == value)
 
 
 def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:

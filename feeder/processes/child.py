@@ -52,6 +52,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
+from ..ragged import concat_shapes
 from ..rebatcher import take_rows
 from ..validation import ChunkValidator
 from .sending import Sendable
@@ -133,6 +134,7 @@ class _Child:
         self.pending_rows = 0
         self.held_since = 0.0
         self.axes: Tuple[int, ...] = ()
+        self.padded: Tuple[bool, ...] = ()  # inputs whose rows may differ in shape (pad=): sent as values + rows
 
     def flush(self, wait: bool = True) -> bool:
         """Put the held rows as one chunk (caller holds ``lock``); False on stop, or when it would
@@ -250,7 +252,16 @@ class _Child:
         (or, if not ``wait``, when no slot or no room is free right now)."""
         first = pieces[0][0]
         shapes: List[Tuple[int, ...]] = []
+        row_shapes: List[Optional[np.ndarray]] = []
         for i, a in enumerate(first):
+            if self.padded and self.padded[i]:
+                # Rows that differ in shape: their values one after the other, then where each row
+                # starts and its shape (feeder.ragged), all in the slot.
+                cs = concat_shapes([p[0][i] for p in pieces])
+                row_shapes.append(cs)
+                shapes.append((int(cs.prod(axis=1).sum()) if cs.shape[1] else len(cs),))
+                continue
+            row_shapes.append(None)
             dims = list(a.shape)
             dims[axes[i]] = rows
             shapes.append(tuple(dims))
@@ -258,8 +269,16 @@ class _Child:
         dtypes = [a.dtype if a.dtype.kind not in "US" else np.result_type(*(p[0][i].dtype for p in pieces))
                   for i, a in enumerate(first)]
         offsets: List[Optional[int]] = []
+        rows_at: List[int] = []
         total = 0
-        for s, d in zip(shapes, dtypes):
+        for s, d, rsh in zip(shapes, dtypes, row_shapes):
+            if rsh is not None:
+                offsets.append(total)
+                total += -(-math.prod(s) * d.itemsize // ALIGN) * ALIGN
+                rows_at.append(total)
+                total += -(-rows * (1 + rsh.shape[1]) * 8 // ALIGN) * ALIGN
+                continue
+            rows_at.append(-1)
             if d.hasobject or not math.prod(s) * d.itemsize:
                 offsets.append(None)  # pickled with the message (object arrays; rows without bytes)
                 continue
@@ -283,6 +302,16 @@ class _Child:
         layout: Layout = []
         for i, (shape, dtype, off) in enumerate(zip(shapes, dtypes, offsets)):
             parts = [p[0][i] for p in pieces]
+            rs = row_shapes[i]
+            if rs is not None:
+                assert slot is not None and off is not None
+                nd = rs.shape[1]
+                where = self.ring.view(slot, rows_at[i], np.dtype(np.int64), (rows,))
+                self.ring.view(slot, rows_at[i] + rows * 8, np.dtype(np.int64), rs.shape)[...] = rs
+                _write_rows(self.ring.view(slot, off, dtype, shape), where, parts)
+                del where
+                layout.append(("ragged", off, dtype.str, shape[0], rows_at[i], rows, nd))
+                continue
             if off is None:
                 layout.append(("obj", parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axes[i])))
                 continue
@@ -308,6 +337,37 @@ class _Child:
             if trimmed:
                 self.send("drop", trimmed)
         return True
+
+
+def _write_rows(values: np.ndarray, starts: np.ndarray, parts: Sequence[Any]) -> None:
+    """Write the rows of a padded input's pieces (Ragged or plain arrays) one after the other into
+    ``values`` (each byte once), and where each row starts into ``starts``."""
+    pos = row = 0
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            n, size = p.shape[0], math.prod(p.shape[1:])
+            np.copyto(values[pos:pos + n * size].reshape(p.shape), p)
+            starts[row:row + n] = np.arange(n, dtype=np.int64) * size + pos
+            pos, row = pos + n * size, row + n
+            continue
+        n = len(p)
+        sizes = p.sizes()
+        starts[row:row + n] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + pos if n else sizes
+        total = int(sizes.sum())
+        if p.rows_list is not None:
+            for r, s in zip(p.rows_list, starts[row:row + n].tolist()):
+                values[s:s + r.size] = r.reshape(-1)
+        else:
+            assert p.values is not None and p.starts is not None
+            if p.is_contiguous():
+                first = int(p.starts[0]) if n else 0
+                values[pos:pos + total] = p.values[first:first + total]
+                pos, row = pos + total, row + n
+                continue
+            # rows here and there in their values: one gather of every element
+            shift = np.repeat(p.starts - (starts[row:row + n] - pos), sizes)
+            np.take(p.values, shift + np.arange(total), out=values[pos:pos + total])
+        pos, row = pos + total, row + n
 
 
 def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str]:
@@ -518,6 +578,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
     wid = child.worker_id
     fields = child.control.fields
     axes = child.axes = validator.axes
+    child.padded = tuple(s.pad is not None for s in validator.specs) if validator.ragged else ()
     status = child.status
     check = validator.check
     monotonic = time.monotonic
@@ -603,6 +664,9 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                     child.held_since = now
                 child.pending.append((arrays, rows))
                 child.pending_rows += rows
+                if child.padded and child.pending_rows >= bs:  # one slot for them all; the parent pads
+                    if not child.flush():
+                        return
                 while child.pending_rows >= bs:
                     take, taken = _take(child.pending, bs, axes)
                     child.pending_rows -= bs

@@ -56,6 +56,8 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..ragged import Ragged
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
@@ -330,8 +332,10 @@ _ANCILLARY = socket.CMSG_SPACE(16 * array.array("i").itemsize)  # up to 16 descr
 _COMPACT_BYTES = 1 << 16        # the receive buffer drops what was taken past this much
 
 
-# A layout entry: ("shm", offset, dtype string, shape) for an array in the slot, or ("obj", array)
-# for an object array, which is pickled with the message.
+# A layout entry: ("shm", offset, dtype string, shape) for an array in the slot; ("ragged", offset,
+# dtype string, values, rows offset, rows, rank) for the rows of a padded input (feeder.ragged): its
+# values at offset, then at rows offset each row's start (int64) and each row's shape (rows x rank
+# int64); or ("obj", array) for an object array, which is pickled with the message.
 Layout = List[Tuple[Any, ...]]
 
 
@@ -407,10 +411,13 @@ def arrays_from_slot(mm: Any, layout: Layout, total: int) -> Tuple[Tuple[np.ndar
         if not 0 < total <= len(mm):
             raise SegmentError(f"a chunk of {total} bytes in a slot of {len(mm)}")
     base = np.frombuffer(mm, dtype=np.uint8, count=total) if total else None
-    out: List[np.ndarray] = []
+    out: List[Any] = []
     for entry in layout:
         if entry[0] == "obj" and len(entry) == 2 and isinstance(entry[1], np.ndarray):
             out.append(entry[1])
+            continue
+        if entry[0] == "ragged" and len(entry) == 7:
+            out.append(_ragged_from_slot(base, total, entry))
             continue
         if entry[0] != "shm" or len(entry) != 4:
             raise SegmentError(f"a layout entry that is neither an array in the slot nor a pickled one: {entry!r:.200}")
@@ -430,3 +437,28 @@ def arrays_from_slot(mm: Any, layout: Layout, total: int) -> Tuple[Tuple[np.ndar
             raise SegmentError(f"an array of {n} bytes at offset {offset} of a chunk of {total} bytes")
         out.append(base[offset:offset + n].view(dt).reshape(shape))
     return tuple(out), base
+
+
+def _ragged_from_slot(base: Optional[np.ndarray], total: int, entry: Tuple[Any, ...]) -> Ragged:
+    """The rows of a padded input from their slot; SegmentError unless every row lies within the
+    values the child wrote (rows starting or ending elsewhere would make the parent read elsewhere)."""
+    _, offset, dtype, count, rows_at, rows, rank = entry
+    try:
+        dt = np.dtype(dtype)
+        count, rows, rank = int(count), int(rows), int(rank)
+    except (TypeError, ValueError) as e:
+        raise SegmentError(f"a layout entry with a bad dtype or size: {entry!r:.200} ({e})") from None
+    if dt.hasobject or min(count, rows, rank - 1) < 0 or not isinstance(offset, int) or not isinstance(rows_at, int):
+        raise SegmentError(f"a layout entry that cannot lie in a slot: {entry!r:.200}")
+    n = count * dt.itemsize
+    meta = rows * (1 + rank) * 8
+    if base is None or min(offset, rows_at) < 0 or offset + n > total or rows_at + meta > total \
+            or rows_at % 8:
+        raise SegmentError(f"rows of {n} + {meta} bytes at offsets {offset}, {rows_at} of a chunk of {total} bytes")
+    values = base[offset:offset + n].view(dt)
+    starts = base[rows_at:rows_at + rows * 8].view(np.int64)
+    shapes = base[rows_at + rows * 8:rows_at + meta].view(np.int64).reshape(rows, rank)
+    sizes = shapes.prod(axis=1) if rows else shapes[:, 0]
+    if rows and ((shapes < 0).any() or (starts < 0).any() or (starts + sizes > count).any()):
+        raise SegmentError(f"rows that do not lie within their {count} values: {entry!r:.200}")
+    return Ragged._make(values, starts, shapes)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputValidationError
+from ..ragged import Ragged
 
 
 def import_pyarrow(what: str = "ParquetSource") -> Any:
@@ -24,11 +25,13 @@ def import_pyarrow(what: str = "ParquetSource") -> Any:
     return pyarrow
 
 
-def to_numpy(column: Any, where: str) -> np.ndarray:
-    """A pyarrow (Chunked)Array as a numpy array, without a copy where the type allows.
+def to_numpy(column: Any, where: str) -> Any:
+    """A pyarrow (Chunked)Array as a numpy array (or a Ragged), without a copy where the type allows.
 
     A null anywhere in it (a list's values included) is an InputValidationError naming
-    ``where``; so are lists of different lengths, which make no array.
+    ``where``. Lists of different lengths make a :class:`~feeder.Ragged` (the list's values and
+    offsets, not copied), which only a padded input takes (``pad=``); lists whose values are
+    themselves lists of different lengths are an InputValidationError.
     """
     import pyarrow as pa
     if isinstance(column, pa.ChunkedArray):
@@ -45,7 +48,7 @@ def _is(pa: Any, name: str, t: Any) -> bool:
     return bool(test(t)) if test is not None else False
 
 
-def _convert(pa: Any, arr: Any, where: str) -> np.ndarray:
+def _convert(pa: Any, arr: Any, where: str) -> Any:
     if arr.null_count:  # checked at every level: a list's values may hold nulls of their own
         raise InputValidationError(f"{where} has {arr.null_count} null value(s); feeder inputs cannot hold nulls "
                                    f"(fill or filter them before feeding)")
@@ -62,10 +65,17 @@ def _convert(pa: Any, arr: Any, where: str) -> np.ndarray:
         values = _convert(pa, arr.flatten(), where)
         return values.reshape((len(arr), t.list_size) + values.shape[1:])
     if pa.types.is_list(t) or pa.types.is_large_list(t):
-        lengths = np.diff(np.asarray(arr.offsets))
+        offsets = np.asarray(arr.offsets)
+        lengths = np.diff(offsets)
         if len(lengths) and (lengths != lengths[0]).any():
-            raise InputValidationError(f"{where}: lists of different lengths ({int(lengths.min())} to "
-                                       f"{int(lengths.max())}) cannot make an array; store fixed-size lists")
+            # Rows of different lengths: the values and the offsets as they are (no loop over rows,
+            # no copy); offsets count from the first row's first value, which flatten() starts at.
+            values = _convert(pa, arr.flatten(), where)
+            if isinstance(values, Ragged) or values.dtype.kind not in "biufc":
+                what = "lists of different lengths" if isinstance(values, Ragged) else f"of dtype {values.dtype}"
+                raise InputValidationError(f"{where}: lists of different lengths whose values are {what}: only "
+                                           f"numeric lists of one level may differ in length (a padded input)")
+            return Ragged(values, offsets - offsets[0])
         values = _convert(pa, arr.flatten(), where)
         size = int(lengths[0]) if len(lengths) else 0
         return values.reshape((len(arr), size) + values.shape[1:])
