@@ -79,6 +79,7 @@ WAIT_S = 0.0001               # first sleep while waiting for a slot or for the 
 WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microseconds; oversleeping costs rows)
 PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
 STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
+FINAL_WORD_S = 0.05           # then the control thread waits at most this long to send the final figures
 TRIM_EVERY = 32               # chunks between two looks for free segments to give back
 STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
@@ -191,12 +192,27 @@ class _Child:
         except (EOFError, OSError):
             pass  # the parent closed the channel or died
         self.stop.set()
-        # Give the main thread a moment to return by itself (it checks between calls); one stuck
-        # in fetch_fun is not waited for.
+        # Give the main thread a moment to return by itself (it checks between calls, and then
+        # says goodbye with its final figures); one stuck in fetch_fun is not waited for.
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline:
             time.sleep(0.01)
+        self.last_word()
         os._exit(0)
+
+    def last_word(self) -> None:
+        """The final figures, for the parent's books (rows fetched and never sent are discarded
+        there, see feeder.processes.parent), from the control thread as it ends the process. Taken
+        under the lock, which the main thread holds except inside fetch_fun: a row it counts after
+        them never leaves this process. Bounded, and silent if the parent is gone."""
+        got = self.lock.acquire(timeout=FINAL_WORD_S)
+        try:
+            self.chan.send(("bye", self.stats()), timeout=FINAL_WORD_S)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if got:
+                self.lock.release()
 
     def stack(self, frames: int = 6) -> str:
         frame = sys._current_frames().get(self.main_ident)
@@ -418,7 +434,10 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
     # reset or a parked worker set before the hello must not be overwritten).
     control.fields[BATCH_SIZE] = batch_size
     control.fields[GO] = 1
-    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    try:
+        chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    except OSError:
+        return  # the parent gave up on this process while it started (stop): nothing to say, nobody to hear it
     os.close(control_fd)
     child = _Child(chan, control, worker_id)
     ctl = threading.Thread(target=child.control_loop, args=(ppid,), name="feeder:control", daemon=True)
@@ -433,7 +452,10 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
             child.status.set("in worker_init_fun")
             worker_init_fun(worker_id)
     except BaseException as e:  # noqa: B902 - whatever it was, the parent must hear of it
-        child.send("error", *_describe_exception(e), True, where)
+        try:
+            child.send("error", *_describe_exception(e), True, where)
+        except OSError:
+            pass  # the parent stopped meanwhile and closed the channel: it no longer listens
         return
     del functions
     try:
@@ -460,7 +482,9 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
 
     Returns None after BURST_CALLS calls, or the call that did not fit, as ``(result, exception,
     start, end)``, for the loop to handle as its own call. The lock is released around each call,
-    as in the loop (the control thread may put the held rows meanwhile, see ``_Child.lock``)."""
+    as in the loop (the control thread may put the held rows meanwhile, see ``_Child.lock``): so
+    the rows and chunks it holds are counted on ``child`` as they are taken, not at the end, and
+    every message the control thread sends carries figures that include every row it sends."""
     if single is None:
         return None
     dtype, rest = single[0], single[1]
@@ -470,7 +494,7 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
     pending = child.pending
     held = child.pending_rows
     deadline = child.held_since + COALESCE_HOLD_S
-    calls = taken = rows = 0
+    calls = 0
     fetch_s = 0.0
     t0 = monotonic()
     try:
@@ -499,8 +523,8 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
                     if 0 < n and held + n < bs:
                         pending.append(((a,), n))
                         held += n
-                        taken += 1
-                        rows += n
+                        child.chunks += 1
+                        child.rows += n
                         t0 = t1
                         continue
             return raw, None, t0, t1
@@ -509,8 +533,6 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
         if pending is child.pending:
             child.pending_rows = held
         child.calls += calls
-        child.chunks += taken
-        child.rows += rows
         child.fetch_s += fetch_s
 
 

@@ -207,6 +207,22 @@ def _exit_text(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
+def _join(proc: Any, until: float) -> None:
+    """Join a process until ``until`` (monotonic s); one already closed (close() after a stop whose
+    budget ran out while the reaper still waited) has nothing left to join."""
+    try:
+        proc.join(max(0.0, until - time.monotonic()))
+    except ValueError:
+        pass
+
+
+def _exitcode(proc: Any) -> Optional[int]:
+    try:
+        return proc.exitcode  # type: ignore[no-any-return]
+    except ValueError:  # closed: it had ended (close() closes only processes that have)
+        return 0
+
+
 class _Worker:
     """The parent's record of one worker process."""
 
@@ -384,8 +400,8 @@ class ProcFetchers:
         for share, action in ((0.5, None), (0.75, "terminate"), (0.95, "kill")):
             until = now + share * budget
             for p in procs:
-                p.join(max(0.0, until - time.monotonic()))
-            alive = [p for p in procs if p.exitcode is None]
+                _join(p, until)
+            alive = [p for p in procs if _exitcode(p) is None]
             if not alive:
                 break
             if action is not None:
@@ -397,7 +413,7 @@ class ProcFetchers:
                     except (OSError, ValueError):
                         pass
         for p in procs:  # joined: none is left a zombie (close() releases them once the receivers ended)
-            p.join(max(0.0, deadline - time.monotonic()))
+            _join(p, deadline)
 
     def close(self) -> None:
         """After stop, once the coordinator has joined the threads: release the processes, control
@@ -460,7 +476,7 @@ class ProcFetchers:
         stop = self._stop
         while True:
             if source.failure is not None:  # failed here or elsewhere: no more fetch_fun calls
-                self._drain_until_stopped(w)
+                self._drain(w)
                 return
             if self._throttle is not None and w.control is not None:
                 go = state.worker_id in self._throttle.active
@@ -492,7 +508,7 @@ class ProcFetchers:
                     return
                 if not ok:
                     if stop.is_set() or source.failure is not None or source.closed:
-                        self._drain_until_stopped(w)
+                        self._drain(w)
                         return
             elif kind == "hello":
                 w.pid = msg[1]
@@ -528,13 +544,13 @@ class ProcFetchers:
                 if w.control is not None:
                     w.control.fields[VERDICTS] += 1
                 if failed:
-                    self._drain_until_stopped(w)
+                    self._drain(w)
                     return
             elif kind == "invalid":
                 w.done = True
                 state.set("failed")
                 source.fail(Failure(InputValidationError(msg[1] + f" (in worker process pid {w.pid})")))
-                self._drain_until_stopped(w)
+                self._drain(w)
                 return
             elif kind == "end":
                 w.done = True
@@ -669,7 +685,7 @@ class ProcFetchers:
             f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} sent "
             f"{what + ': ' if what else ''}{e}; refused (the parent maps only memory files sealed against "
             f"shrinking and reads only within them, so that nothing the process does can crash it)"), e))
-        self._drain_until_stopped(w)
+        self._drain(w)
 
     def _halt(self, w: _Worker) -> None:
         """Tell the child to stop calling fetch_fun and end (its source failed): the flag, which its
@@ -711,25 +727,34 @@ class ProcFetchers:
             f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} died "
             f"({_exit_text(code)}) while {where}")))
 
-    def _drain_until_stopped(self, w: _Worker) -> None:
-        """After a failure: the child is told to stop; keep reading (so it never blocks on a full
-        channel) until it has ended or the feed stops."""
+    def _drain(self, w: _Worker) -> None:
+        """After a failure or at stop: the child is told to stop; keep reading until it has ended, so
+        that it never blocks on a full channel, its channel stays open while it lives (a child
+        still starting must be able to say hello) and its final figures reach the books. Chunks
+        are not taken any more: their rows count as fetched and discarded (see _receive). Bounded:
+        a child told to stop ends within STOP_GRACE_S by itself, or the reaper ends it within
+        stop()'s budget."""
         self._halt(w)
         chan = w.chan
         assert chan is not None
-        while not self._stop.is_set():
+        while True:
             try:
-                if chan.poll(SLICE_S):
-                    msg = chan.recv()
-                    if msg[0] == "chunk" and msg[7]:
-                        for fd in chan.recv_fds(1):
-                            os.close(fd)
-                    elif msg[0] == "hello":  # it started after the failure: its control page is not needed
-                        w.pid = msg[1]
-                        for fd in chan.recv_fds(2):
-                            os.close(fd)
-                    elif msg[0] == "error" and w.control is not None:
-                        w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
+                if not chan.poll(SLICE_S):
+                    if w.process is None or not w.process.is_alive():
+                        return
+                    continue
+                msg = chan.recv()
+                if msg[0] == "hello":  # it started after the failure: its control page is not needed
+                    w.pid = msg[1]
+                    for fd in chan.recv_fds(2):
+                        os.close(fd)
+                    continue
+                self._update(w, msg[-1])
+                if msg[0] == "chunk" and msg[7]:
+                    for fd in chan.recv_fds(1):
+                        os.close(fd)
+                elif msg[0] == "error" and w.control is not None:
+                    w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
             except (EOFError, OSError):
                 return
             except Exception:  # garbage from a misbehaving child: it is stopped anyway
