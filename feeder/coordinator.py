@@ -191,12 +191,14 @@ class GlobalCoordinator:
         join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
         if not stragglers:  # only a quiescent source can be audited exactly
+            # A feed whose discard waits for a consumer's rebatch in progress is audited, and so is
+            # its source, once that consumer has made it (Feed._discard_held): stop() never waits.
+            late = [f for f in feeds if f._started and not f._discard_held()]
             for feed in feeds:
-                if feed._started:
-                    feed._discard_held()
+                if feed._started and feed not in late:
                     feed._check_ledger("stop")
             for q in queues:
-                q.check_ledger("stop")
+                _audit_when_discarded(q, [f for f in late if f.source is q])
         with self._lock:
             for q in queues:
                 mine = [f for f in feeds if f.input_source_name == q.name]
@@ -284,6 +286,28 @@ class GlobalCoordinator:
     def __repr__(self) -> str:
         with self._lock:
             return f"GlobalCoordinator(sources={list(self._queues)}, feeds={len(self._feeds)})"
+
+
+def _audit_when_discarded(q: ChunkQueue, late: Sequence[Feed]) -> None:
+    """Check a stopped source's ledger now or, where feeds of it have left their discard to a
+    consumer still rebatching (``late``), each of those feeds and then the source once the last
+    of them has discarded."""
+    if not late:
+        q.check_ledger("stop")
+        return
+    left = [len(late)]
+    lock = threading.Lock()
+
+    def discarded(feed: Feed) -> None:
+        feed._check_ledger("stop")
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            q.check_ledger("stop")
+
+    for feed in late:
+        feed._when_discarded(functools.partial(discarded, feed))
 
 
 global_coordinator = GlobalCoordinator()
