@@ -301,6 +301,49 @@ def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
         assert gone(pid)
 
 
+def test_consumers_timing_out_together_never_harm_a_worker_process():
+    """Issue 26, item 20: several consumers timing out at once crashed the worker process with
+    SIGSEGV (4 consumers: 3 runs in 40) and failed the source for good: one consumer's stack
+    request cleared the event another waited on, which then had faulthandler dump every thread
+    while the process's control thread was answering. 40 times, 4 consumers of a fresh process
+    time out together (a small switch interval widens every window in the parent); every process
+    survives, and every diagnosis says where it is."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(40):
+            coord = feeder.GlobalCoordinator(join_timeout=3.0)
+            register(coord, utils.sleep_forever, 4, num_worker_processes=1)
+            coord.start()
+            feed = coord.feed("train")
+            worker = feed._fetchers._workers[0]
+            try:
+                messages, errors = [], []
+
+                def consume(messages=messages, errors=errors, feed=feed):
+                    try:
+                        feed.next_batch(timeout=0.5)
+                    except feeder.FeedTimeout as e:
+                        messages.append(str(e))
+                    except Exception as e:  # a FetchError naming a dead worker process
+                        errors.append(e)
+
+                threads = [threading.Thread(target=consume) for _ in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(10)
+                assert not errors, errors
+                assert worker.process.exitcode is None, worker.process.exitcode
+                assert len(messages) == 4
+                for msg in messages:
+                    assert "worker 0 in fetch_fun" in msg and "sleep_forever" in msg, msg
+            finally:
+                coord.stop()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_one_hung_process_does_not_stop_the_others(coord):
     register(coord, utils.hang_worker_zero, 4)
     coord.start()

@@ -174,6 +174,10 @@ class _Child:
 
     # ---- the control thread ---------------------------------------------------------------
     def control_loop(self, ppid: int) -> None:
+        # faulthandler's SIGUSR1 is for the main thread (the parent sends it there, see
+        # feeder.processes.stacks); where the signal can only go to the process, not to this thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        owed = 0  # the stack request to answer (its number); retried until the answer is sent
         try:
             next_check = time.monotonic() + PARENT_CHECK_S
             while True:
@@ -184,7 +188,9 @@ class _Child:
                         self.stop.set()
                         break
                     if msg[0] == "stack":
-                        self.chan.send(("stack", self.stack(), self.stats()), timeout=0.5)
+                        owed = msg[1]
+                if owed and self.chan.send(("stack", self.stack(), owed, self.stats()), timeout=0.5):
+                    owed = 0
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + PARENT_CHECK_S
                     if os.getppid() != ppid:
@@ -424,10 +430,12 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
     ppid = os.getppid()
     chan = Channel(conn)
     # Stacks on request even when the main thread holds the GIL in C code (where the control
-    # thread cannot answer): SIGUSR1 makes faulthandler write every thread's stack into this
-    # anonymous file, which the parent reads through its own descriptor.
+    # thread cannot answer): SIGUSR1, which the parent sends to the main thread, makes faulthandler
+    # write that thread's stack into this anonymous file, which the parent reads through its own
+    # descriptor. That thread's only: the others may run meanwhile, and reading the frames of a
+    # running thread can crash the process (feeder.processes.stacks).
     stacks = new_fd(STACKS_BYTES, "feeder-stacks")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)
     control_fd = new_fd(CONTROL_BYTES, "feeder-control")
     control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
     # Initial values first: from the hello on, the parent alone writes these fields (a batch size
@@ -435,7 +443,7 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
     control.fields[BATCH_SIZE] = batch_size
     control.fields[GO] = 1
     try:
-        chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+        chan.send(("hello", os.getpid(), CONTROL_BYTES, threading.get_native_id()), (control_fd, stacks))
     except OSError:
         return  # the parent gave up on this process while it started (stop): nothing to say, nobody to hear it
     os.close(control_fd)

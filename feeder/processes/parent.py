@@ -84,6 +84,7 @@ from .shm import (
     map_fd,
     memory_device,
 )
+from .stacks import StackProbe
 
 log = logging.getLogger("feeder")
 
@@ -242,53 +243,9 @@ class _Worker:
         self.child_state = "starting"
         self.child_since = time.monotonic()
         self.done = False        # ended (StopIteration), failed, or told to stop: its exit is expected
-        self.stack: Optional[str] = None
-        self.stack_event = threading.Event()
-        self.stack_asked = 0.0  # when a stack request was sent that is not answered yet (0.0: none)
+        self.stacks = StackProbe()  # stack requests and faulthandler dumps (feeder.processes.stacks)
         self.batch_size = 0
         self.go = True
-        self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see feeder.processes.child)
-        self.stacks_read = 0
-
-    def ask_fault_stacks(self) -> bool:
-        """Ask faulthandler for every thread's stack (SIGUSR1: answered by a C signal handler, even
-        while the child holds the GIL in C code); False if the process cannot be asked."""
-        if self.stacks_fd is None or self.pid is None:
-            return False
-        try:
-            os.kill(self.pid, signal.SIGUSR1)
-            return True
-        except OSError:
-            return False
-
-    def read_fault_stacks(self, deadline: float) -> str:
-        """What faulthandler wrote since the last read, once it stops growing (by ``deadline``,
-        monotonic seconds, at the latest); '' if nothing came."""
-        fd = self.stacks_fd
-        if fd is None:
-            return ""
-        try:
-            size = self.stacks_read
-            while True:
-                new = os.fstat(fd).st_size
-                now = time.monotonic()
-                if (new > self.stacks_read and new == size) or now >= deadline:
-                    break  # it wrote, and nothing more came over the last pause
-                size = new
-                time.sleep(min(0.005, max(0.0, deadline - now)))
-            text = os.pread(fd, new - self.stacks_read, self.stacks_read).decode("utf-8", "replace")
-            self.stacks_read = new
-            return text
-        except OSError:
-            return ""
-
-    def close_stacks(self) -> None:
-        if self.stacks_fd is not None:
-            try:
-                os.close(self.stacks_fd)
-            except OSError:
-                pass
-            self.stacks_fd = None
 
 
 class ProcFetchers:
@@ -439,7 +396,7 @@ class ProcFetchers:
                 w.lifeline = None
             w.maps.clear()
             w.in_use.clear()
-            w.close_stacks()
+            w.stacks.close()
             if w.chan is not None:
                 w.chan.close()
 
@@ -468,7 +425,7 @@ class ProcFetchers:
                 w.chan.close()
             w.maps.clear()
             w.in_use.clear()  # views a consumer still holds keep their own mapping alive
-            w.close_stacks()
+            w.stacks.close()
 
     def _receive_loop(self, w: _Worker) -> None:
         chan, state, source = w.chan, w.state, self.source
@@ -512,7 +469,8 @@ class ProcFetchers:
                         return
             elif kind == "hello":
                 w.pid = msg[1]
-                control_fd, w.stacks_fd = chan.recv_fds(2)
+                control_fd, stacks_fd = chan.recv_fds(2)
+                w.stacks.attach(msg[1], msg[3], stacks_fd)
                 try:
                     check_segment(control_fd, CONTROL_BYTES, self._device)
                     w.control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
@@ -559,9 +517,7 @@ class ProcFetchers:
                 if self._throttle is not None:
                     self._throttle.ended(state.worker_id)
             elif kind == "stack":
-                w.stack = msg[1]
-                w.stack_asked = 0.0
-                w.stack_event.set()
+                w.stacks.answer(msg[1], msg[2])
             elif kind == "bye":
                 w.done = True
 
@@ -767,35 +723,35 @@ class ProcFetchers:
 
     def request_stacks(self) -> None:
         """Ask every live process for its stack now, so that a diagnosis due soon has it (a
-        consumer calls this ``STACK_LEAD_S`` before its deadline). A request not yet answered is
-        not repeated: a child that cannot answer must not have its channel filled."""
+        consumer calls this ``STACK_LEAD_S`` before its deadline). One request per process is in
+        flight at a time, shared by every consumer that asks (feeder.processes.stacks)."""
         now = time.monotonic()
         for w in self._live():
-            if w.stack_asked:
-                continue
-            w.stack_event.clear()
-            try:
-                if w.chan.send(("stack",), timeout=0.01):  # type: ignore[union-attr]
-                    w.stack_asked = now
-            except (OSError, ValueError):
-                pass
+            self._request_stack(w, now)
+
+    @staticmethod
+    def _request_stack(w: _Worker, now: float) -> int:
+        chan = w.chan
+        if chan is None:
+            return w.stacks.sent
+        return w.stacks.request(lambda msg: chan.send(msg, timeout=0.01), now)
 
     def describe(self, now: float, stack_after_s: float = 1.0, frames: int = 6) -> List[str]:
         """One line per process (plus its stack when in fetch_fun for ``stack_after_s`` s or more),
         by ``now + STACK_WAIT_S`` at the latest: a process that answers neither through its control
-        thread nor through faulthandler is named as such."""
+        thread nor through faulthandler is named as such. Safe for any number of consumers at once
+        (feeder.processes.stacks)."""
         deadline = now + STACK_WAIT_S
-        self.request_stacks()
         live = self._live()
+        asked = {id(w): self._request_stack(w, now) for w in live}
+        answered = {}
         for w in live:  # answers: at most REPLY_WAIT_S after the request (an early one is done by now)
-            until = min(deadline - (STACK_WAIT_S - REPLY_WAIT_S), max(now, w.stack_asked + REPLY_WAIT_S))
-            w.stack_event.wait(max(0.0, until - time.monotonic()))
-        faulted = []
-        for w in live:
-            busy = time.monotonic() - w.child_since
-            if not w.stack_event.is_set() and busy >= stack_after_s and w.ask_fault_stacks():
-                faulted.append(w)
-        dumps = {id(w): w.read_fault_stacks(deadline) for w in faulted}
+            probe = w.stacks
+            until = min(deadline - (STACK_WAIT_S - REPLY_WAIT_S), max(now, probe.asked_at + REPLY_WAIT_S))
+            answered[id(w)] = asked[id(w)] > 0 and probe.wait(asked[id(w)], until)
+        dumping = [w for w in live if not answered[id(w)] and time.monotonic() - w.child_since >= stack_after_s
+                   and w.stacks.start_dump(time.monotonic())]
+        dumps = {id(w): w.stacks.read_dump(deadline) for w in dumping}
         lines = []
         for w in self._workers:
             state = w.state
@@ -804,16 +760,17 @@ class ProcFetchers:
                 else state.state
             busy = time.monotonic() - (w.child_since if alive else state.since)
             text = f"worker {state.worker_id} {what} for {busy:.1f} s (call #{state.calls}, process pid {w.pid})"
-            replied = w.stack_event.is_set()
-            if alive and replied and what == IN_FETCH and busy >= stack_after_s and w.stack:
-                lines_ = w.stack.rstrip("\n").splitlines()[-2 * frames:]
+            replied = answered.get(id(w), False)
+            stack = w.stacks.text
+            if alive and replied and what == IN_FETCH and busy >= stack_after_s and stack:
+                lines_ = stack.rstrip("\n").splitlines()[-2 * frames:]
                 text += "; stack (innermost last):\n" + "\n".join("    " + ln for ln in lines_)
             elif alive and not replied and busy >= stack_after_s:
                 dump = dumps.get(id(w), "")
-                if dump:  # faulthandler's format: most recent call first, every thread
-                    shown = dump.strip().splitlines()[:4 * frames]
-                    text += ("; it did not answer (C code holding the GIL?); faulthandler's stacks, most recent "
-                             "call first:\n" + "\n".join("    " + ln for ln in shown))
+                if dump:  # faulthandler's format: most recent call first
+                    shown = dump.strip().splitlines()[:2 * frames + 1]
+                    text += ("; it did not answer (C code holding the GIL?); faulthandler's stack of its main "
+                             "thread, most recent call first:\n" + "\n".join("    " + ln for ln in shown))
                 else:
                     text += (f"; worker {state.worker_id}, pid {w.pid}, did not answer in time (busy in C code "
                              f"holding the GIL?)")
