@@ -1004,3 +1004,69 @@ def test_a_stop_while_children_start_prints_no_traceback(tmp_path):
         proc.kill()
     assert proc.returncode == 0 and "done" in out, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+# ---- the main script and "spawn" / "forkserver" (issue 26, item 13) ----------------------------------
+UNGUARDED = """
+    coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=2,
+                                           mp_context=sys.argv[1])
+    try:
+        coord.start()
+    except feeder.FeederError as e:
+        print("refused:", e, flush=True)
+    else:
+        print("started", flush=True)
+        print("shape", coord.feed("train").next_batch(timeout=20)["x"].shape, flush=True)
+"""
+GUARDED = """
+    def main():
+        coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=2,
+                                               mp_context=sys.argv[1])
+        coord.start()
+        print("shape", coord.feed("train").next_batch(timeout=20)["x"].shape, flush=True)
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+def run_script(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_processes_started_by_unguarded_top_level_code_are_refused_at_start(tmp_path, method):
+    """Worker processes started from a script's top level without `if __name__ == "__main__":`
+    died "while starting", the cause only in multiprocessing's traceback on stderr (each imports
+    the script again and its top-level code starts feeder again). Now start() says so, naming
+    the script and the line, before any process starts."""
+    proc = run_script(tmp_path, UNGUARDED, method)
+    out = proc.stdout
+    assert "refused:" in out, out + proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in out and f"{tmp_path / 'train.py'} (line " in out, out
+    assert "num_worker_threads" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # no process was started
+    guarded = run_script(tmp_path, GUARDED, method)
+    assert "shape (4, 2)" in guarded.stdout, guarded.stdout + guarded.stderr[-3000:]
+
+
+def test_a_start_in_a_worker_importing_the_main_script_is_a_fetch_error_that_says_what_to_do(tmp_path):
+    """Where the parent cannot tell (here a guard that lets the workers' import through), the
+    worker process that imports the main script again and meets that start() ends at once, and
+    the consumer's FetchError names it and says what to do; no traceback on stderr."""
+    proc = run_script(tmp_path, """
+        if __name__ in ("__main__", "__mp_main__"):  # the workers' import of this script gets in too
+            coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=1,
+                                                   coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            try:
+                coord.feed("train").next_batch(timeout=20)
+            except feeder.FetchError as e:
+                print("failed:", e, flush=True)
+    """)
+    out = proc.stdout
+    assert "failed:" in out and "worker 0" in out and "while starting" in out, out + proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in out and "num_worker_threads" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

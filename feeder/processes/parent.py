@@ -67,6 +67,7 @@ from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chu
 from ..tuning import Throttle
 from ..validation import ChunkValidator
 from .child import worker_main
+from .mainguard import ADVICE, MAIN_REIMPORT_EXIT
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -675,7 +676,9 @@ class ProcFetchers:
         state = w.state
         state.set("failed")
         where = w.child_state
-        if where == "starting":  # it never reported after its hello, or never said hello
+        if where == "starting" and w.control is None and code == MAIN_REIMPORT_EXIT:
+            where = "starting: its import of the main script called start() again; " + ADVICE
+        elif where == "starting":  # it never reported after its hello, or never said hello
             where = ("in worker_init_fun or its first fetch_fun call (it had not reported yet)"
                      if w.control is not None else
                      "starting, before it could report (its error, if any, went to stderr)")
