@@ -21,6 +21,7 @@ from .errors import FeederError
 from .feed import Feed
 from .fetchers import join_all
 from .metrics import Monitor
+from .processes.mainguard import ADVICE, refuse_in_bootstrap, unguarded_call
 from .rowkeys import KeyLedger, source_state
 from .sources.base import ROW_KEY, bind_sources, release_sources
 from .validation import ChunkValidator, InputSpec
@@ -116,11 +117,19 @@ class GlobalCoordinator:
         """Run pending ``init_fun``s serially, then start every pending feed's threads.
 
         An exception from an ``init_fun`` propagates unchanged and no thread is started.
+
+        Raises:
+            FeederError: called from an ``init_fun``; or worker processes would be started (by
+                "spawn" or "forkserver") from top-level code of the main script that is not under
+                ``if __name__ == "__main__":`` (each would run it again: see
+                ``feeder.processes.mainguard``). Nothing is started then.
         """
         with self._lock:
             if self._starting:
                 raise FeederError("start() was called from an init_fun; init_funs run inside start()")
             pending = [f for f in self._feeds if not f._started]
+            if pending:
+                _check_main_script(pending)
             self._starting = True
             try:
                 for feed in pending:
@@ -215,12 +224,14 @@ class GlobalCoordinator:
         join_all(threads, deadline)
         stragglers = [t for t in threads if t.is_alive() and t is not threading.current_thread()]
         if not stragglers:  # only a quiescent source can be audited exactly
+            # A feed whose discard waits for a consumer's rebatch in progress is audited, and so is
+            # its source, once that consumer has made it (Feed._discard_held): stop() never waits.
+            late = [f for f in feeds if f._started and not f._discard_held()]
             for feed in feeds:
-                if feed._started:
-                    feed._discard_held()
+                if feed._started and feed not in late:
                     feed._check_ledger("stop")
             for q in queues:
-                q.check_ledger("stop")
+                _audit_when_discarded(q, [f for f in late if f.source is q])
         with self._lock:
             for q in queues:
                 mine = [f for f in feeds if f.input_source_name == q.name]
@@ -341,6 +352,41 @@ class GlobalCoordinator:
     def __repr__(self) -> str:
         with self._lock:
             return f"GlobalCoordinator(sources={list(self._queues)}, feeds={len(self._feeds)})"
+
+
+def _check_main_script(pending: Sequence[Feed]) -> None:
+    """Refuse a start that worker processes would make again as they import the main script
+    (``feeder.processes.mainguard``): up front where the parent can tell, else in the worker."""
+    refuse_in_bootstrap(any(f.mp_context is not None for f in pending))
+    for feed in pending:
+        method = feed.mp_context.get_start_method() if feed.mp_context is not None else None
+        where = unguarded_call(method) if method is not None else None
+        if where is not None:
+            raise FeederError(f"source {feed.input_source_name!r}: start() was called from the top level of "
+                              f"{where[0]} (line {where[1]}), outside `if __name__ == \"__main__\":`, with worker "
+                              f"processes started by {method!r}; no process was started: {ADVICE}")
+
+
+def _audit_when_discarded(q: ChunkQueue, late: Sequence[Feed]) -> None:
+    """Check a stopped source's ledger now or, where feeds of it have left their discard to a
+    consumer still rebatching (``late``), each of those feeds and then the source once the last
+    of them has discarded."""
+    if not late:
+        q.check_ledger("stop")
+        return
+    left = [len(late)]
+    lock = threading.Lock()
+
+    def discarded(feed: Feed) -> None:
+        feed._check_ledger("stop")
+        with lock:
+            left[0] -= 1
+            last = not left[0]
+        if last:
+            q.check_ledger("stop")
+
+    for feed in late:
+        feed._when_discarded(functools.partial(discarded, feed))
 
 
 global_coordinator = GlobalCoordinator()

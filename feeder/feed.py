@@ -45,7 +45,9 @@ READY_MAX = 4
 READY_BYTES = 4 * 2**20
 DEVICE_READY = 2  # on a device, at least this many prepared batches: their bytes are in device slots, not in cache
 SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is slow
-DISCARD_LOCK_S = 1.0  # stop waits at most this long for a thread in the middle of rebatching (seconds)
+# stop() waits at most this long (seconds) for a consumer in the middle of rebatching; past it,
+# that consumer discards what the feed holds as it lets the lock go (Feed._discard_held).
+DISCARD_LOCK_S = 0.25
 
 
 class _EndOfData:
@@ -165,8 +167,12 @@ class Feed:
         self._live = False  # started, not stopped, not ended: the consumer's fast path checks only this
         self._pending_batch_size: Optional[int] = None
         self._batch_size_lock = threading.Lock()
-        # Who rebatches now: the enqueuer thread, or a producer in pump_put (one at a time).
+        # Who rebatches now: the enqueuer thread, or a producer in pump_put (one at a time). Every
+        # holder lets it go through _release_pump, which completes a discard stop() left to it.
         self._pump_lock = threading.Lock()
+        self._discard_pending = False  # stop() asked for the discard of what the feed holds (_discard_held)
+        self._discard_lock = threading.Lock()  # guards _discard_pending and _after_discard
+        self._after_discard: List[Callable[[], None]] = []
         self._inflight_rows = 0
         self._waiting = 0  # consumers waiting with nothing ready (guarded by _waiting_lock)
         self._waiting_lock = threading.Lock()
@@ -296,11 +302,16 @@ class Feed:
     def _enqueue(self) -> None:
         source, stop, lock, ready = self.source, self._stop, self._pump_lock, self._ready
         while not stop.is_set():
-            with lock:
+            # In slices: a consumer may hold the lock for a long rebatch, and stop must not wait for it.
+            if not lock.acquire(timeout=SLICE_S):
+                continue
+            try:
                 got = self._pump_ready()
                 if got is END:
                     self._finish()  # (it may wait for room holding the lock: nothing else is left to take)
                     return
+            finally:
+                self._release_pump()
             if got is CLOSED:
                 return
             # Nothing to take, or no room: wait without the lock, so producers and consumers may pump.
@@ -364,7 +375,7 @@ class Feed:
             try:
                 self._pump_ready()
             finally:
-                lock.release()
+                self._release_pump()
 
     def pump_put(self, chunk: Chunk) -> Optional[bool]:
         """Put a producer's chunk on the source and, in the calling producer thread, move what the
@@ -387,7 +398,18 @@ class Feed:
                 source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
             return True
         finally:
-            lock.release()
+            self._release_pump()
+
+    def _release_pump(self) -> None:
+        """Let the pump lock go; if stop() could not wait for it meanwhile, discard what the feed
+        holds first (see _discard_held). Every holder of the lock lets it go through here."""
+        lock = self._pump_lock
+        lock.release()
+        if self._discard_pending and lock.acquire(False):  # else its next holder does it
+            try:
+                self._discard_now()
+            finally:
+                lock.release()
 
     def _emit_full_batches(self, block: bool = True) -> bool:
         rb = self._rebatcher
@@ -665,23 +687,50 @@ class Feed:
                       self._rows_dropped, self._rows_discarded, held)
         return ok
 
-    def _discard_held(self) -> None:
+    def _discard_held(self) -> bool:
         """At stop, once the enqueuer has ended: the rows this feed still holds are discarded.
 
         Under the pump lock: a consumer may be rebatching in ``_pump`` (consumer threads are not
         joined at stop); once stop is set, nothing takes or rebatches after this (``_pump_ready``
-        looks at the stop flag under the lock). Whoever holds the lock never waits long: the wait
-        is bounded all the same, and the ledger check that follows says if it was not enough."""
+        looks at the stop flag under the lock). A rebatching step may take long (a very large
+        batch, a cold memory-mapped file) and stop() must not wait for it: after DISCARD_LOCK_S
+        the discard is left to the thread that holds the lock, which makes it as it lets the lock
+        go (``_release_pump``). Returns True if the discard is made; False if it was left so
+        (``_when_discarded`` then runs what must follow it, such as the ledger's audit)."""
+        with self._discard_lock:
+            self._discard_pending = True
         lock = self._pump_lock
-        got = lock.acquire(timeout=DISCARD_LOCK_S)
-        try:
+        if lock.acquire(timeout=DISCARD_LOCK_S):
+            try:
+                self._discard_now()
+            finally:
+                lock.release()
+        with self._discard_lock:
+            return not self._discard_pending  # (the holder may have made it after the wait gave up)
+
+    def _discard_now(self) -> None:
+        """The discard stop() asked for, if not made yet (the caller holds the pump lock); then
+        what waits for it."""
+        with self._discard_lock:
+            if not self._discard_pending:
+                return
             rows = self._rebatcher.drop() + self._ready.clear() + self._inflight_rows
             self._inflight_rows = 0
             self._rows_discarded += rows
             self.source.discarded(rows, fetched=False)
-        finally:
-            if got:
-                lock.release()
+            self._discard_pending = False
+            after, self._after_discard = self._after_discard, []
+        for fn in after:
+            fn()
+
+    def _when_discarded(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once what the feed held at stop is discarded: now if it is, else in the thread
+        that makes the discard (see _discard_held). ``fn`` must not raise."""
+        with self._discard_lock:
+            if self._discard_pending:
+                self._after_discard.append(fn)
+                return
+        fn()
 
 
 def ready_depth(batch_nbytes: int) -> int:

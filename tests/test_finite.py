@@ -316,3 +316,50 @@ def test_stop_from_another_thread_while_a_consumer_iterates_never_sees_a_false_l
             assert m["source_rows_fetched"] == m["source_rows_delivered"] + m["source_rows_discarded"]
     finally:
         sys.setswitchinterval(old)
+
+
+def test_stop_while_a_consumer_rebatches_for_longer_than_stop_waits_books_every_row():
+    """Issue 26, item 23: a consumer that found nothing ready rebatches the source's chunks itself,
+    under the feed's pump lock, and a step of it may take long (a very large batch, a cold
+    memory-mapped file). stop() waited for that lock (the enqueuer blocked on it, then the discard
+    for at most 1 s), and with a step longer than that the rows the consumer held were counted
+    nowhere. Now stop() returns at once and the consumer discards what it holds as it lets go."""
+    import time
+
+    import feeder.feed
+
+    slow_s = feeder.feed.DISCARD_LOCK_S + 2.0  # longer than stop() waits for the lock, and than its join budget
+    c = feeder.GlobalCoordinator(join_timeout=1.0)
+    register(c, lambda w, b: [np.arange(10), np.zeros((10, 2), np.float32)], 10, num_worker_threads=1,
+             max_buffered_batches=4)
+    c.start()
+    feed = c.feed("train")
+    entered = threading.Event()
+    add = feed._rebatcher.add
+
+    def slow_add(*args, **kwargs):
+        if threading.current_thread().name == "slow consumer":
+            entered.set()
+            time.sleep(slow_s)
+        return add(*args, **kwargs)
+
+    feed._rebatcher.add = slow_add
+
+    def consume():
+        while not entered.is_set():
+            feed.next_batch()
+            feed._pump()  # what a consumer that finds nothing ready does (Feed._next_prepared)
+
+    t = threading.Thread(target=consume, name="slow consumer")
+    t.start()
+    assert entered.wait(10), "the consumer never rebatched a chunk itself"
+    t0 = time.monotonic()
+    assert c.stop() is True
+    assert time.monotonic() - t0 < c.join_timeout + 0.5, "stop() waited for the rebatch"
+    t.join(slow_s + 5)
+    assert not t.is_alive()
+    assert feed._held_rows() == 0
+    assert feed._check_ledger("after the rebatch") is True
+    ledger = feed.source.ledger()
+    assert ledger["rows_fetched"] == ledger["rows_delivered"] + ledger["rows_discarded"] > 0, ledger
+    assert ledger["rows_queued"] == 0

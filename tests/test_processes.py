@@ -301,11 +301,76 @@ def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
         assert gone(pid)
 
 
+def test_consumers_timing_out_together_never_harm_a_worker_process():
+    """Issue 26, item 20: several consumers timing out at once crashed the worker process with
+    SIGSEGV (4 consumers: 3 runs in 40) and failed the source for good: one consumer's stack
+    request cleared the event another waited on, which then had faulthandler dump every thread
+    while the process's control thread was answering. 40 times, 4 consumers of a fresh process
+    time out together (a small switch interval widens every window in the parent); every process
+    survives, and every consumer gets its FeedTimeout naming it."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(40):
+            coord = feeder.GlobalCoordinator(join_timeout=3.0)
+            register(coord, utils.sleep_forever, 4, num_worker_processes=1)
+            coord.start()
+            feed = coord.feed("train")
+            worker = feed._fetchers._workers[0]
+            try:
+                messages, errors = [], []
+
+                def consume(messages=messages, errors=errors, feed=feed):
+                    try:
+                        feed.next_batch(timeout=0.5)
+                    except feeder.FeedTimeout as e:
+                        messages.append(str(e))
+                    except Exception as e:  # a FetchError naming a dead worker process
+                        errors.append(e)
+
+                threads = [threading.Thread(target=consume) for _ in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(10)
+                assert not errors, errors
+                assert worker.process.exitcode is None, worker.process.exitcode
+                assert len(messages) == 4
+                for msg in messages:  # (under load the process may still be starting, or answer late)
+                    assert "worker 0 " in msg and f"pid {worker.pid}" in msg, msg
+            finally:
+                coord.stop()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_one_hung_process_does_not_stop_the_others(coord):
     register(coord, utils.hang_worker_zero, 4)
     coord.start()
     for _ in range(50):
         assert coord.feed("train").next_batch()["x"].shape == (4, 2)
+
+
+@pytest.mark.parametrize("after", [0.0, 0.15])
+def test_rows_a_process_holds_at_stop_are_booked_exactly(coord, after, tmp_path):
+    """Issue 26, item 22: 39 tiny chunks held for coalescing, then a call that blocks, and stop()
+    during it (before and after the process's control thread puts the held rows, at 20 ms). The
+    books said 1 row fetched and discarded, not 39: the control thread sent the held rows with
+    figures taken before they were counted, and the parent booked a negative rest."""
+    entered = tmp_path / "entered"
+    register(coord, utils.TinyThenBlock(39, str(entered)), 64, num_worker_processes=1)
+    coord.start()
+    feed = coord.feed("train")
+    wait_until(entered.exists, timeout=20, what="the call that blocks")
+    time.sleep(after)
+    assert coord.stop() is True
+    m = feed.metrics()
+    state = feed._fetchers.states[0]
+    assert (state.rows, state.chunks) == (39, 39)  # the process's figures
+    assert state.rows_put in (0, 39)  # put by the control thread, or still held when the process ended
+    assert m["rows_fetched"] == 39
+    assert (m["source_rows_fetched"], m["source_rows_delivered"], m["source_rows_discarded"]) == (39, 0, 39)
+    assert m["source_rows_buffered"] == 0
 
 
 def test_stop_ends_every_process_and_leaves_no_zombie(coord):
@@ -891,3 +956,117 @@ def test_ctrl_c_while_children_start_gives_one_keyboard_interrupt_and_no_child_t
         proc.kill()
     assert err.count("KeyboardInterrupt") == 1, err
     assert err.count("Traceback") == 1, err
+
+
+def test_a_stop_while_children_start_prints_no_traceback(tmp_path):
+    """Issue 26, item 23: a stop while a worker process still started printed its tracebacks.
+    Here a source that failed (the receivers of its other processes stopped reading at stop and
+    closed their channels; the child still starting then hit BrokenPipeError saying hello), and
+    stops with no budget at all right after start() (the reaper joined a process that close() had
+    closed meanwhile: ValueError)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys, time
+        if "--multiprocessing-fork" in sys.argv:
+            time.sleep(1)  # a "spawn" child that takes a second to start
+    """))
+    script = tmp_path / "main.py"
+    script.write_text(PRELUDE + textwrap.dedent("""
+        def boom(worker_id, batch_size):
+            raise OSError("boom")
+
+        if __name__ == "__main__":
+            coord = feeder.GlobalCoordinator()
+            feeder.init_data_input_workers(None, ["x"], boom, 4, num_worker_processes=1, mp_context="fork",
+                                           coordinator=coord)
+            feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=1, mp_context="spawn",
+                                           coordinator=coord)
+            coord.start()
+            try:
+                coord.feeds("train")[0].next_batch(timeout=20)
+            except feeder.FetchError:
+                pass
+            assert coord.stop() is True
+            for _ in range(10):
+                coord = feeder.GlobalCoordinator()
+                feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=2,
+                                               coordinator=coord)
+                coord.start()
+                coord.stop(timeout=0)
+            time.sleep(1.5)  # what the children still starting print comes in this time
+            print("done", flush=True)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "done" in out, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+# ---- the main script and "spawn" / "forkserver" (issue 26, item 13) ----------------------------------
+UNGUARDED = """
+    coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=2,
+                                           mp_context=sys.argv[1])
+    try:
+        coord.start()
+    except feeder.FeederError as e:
+        print("refused:", e, flush=True)
+    else:
+        print("started", flush=True)
+        print("shape", coord.feed("train").next_batch(timeout=20)["x"].shape, flush=True)
+"""
+GUARDED = """
+    def main():
+        coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=2,
+                                               mp_context=sys.argv[1])
+        coord.start()
+        print("shape", coord.feed("train").next_batch(timeout=20)["x"].shape, flush=True)
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+def run_script(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_processes_started_by_unguarded_top_level_code_are_refused_at_start(tmp_path, method):
+    """Worker processes started from a script's top level without `if __name__ == "__main__":`
+    died "while starting", the cause only in multiprocessing's traceback on stderr (each imports
+    the script again and its top-level code starts feeder again). Now start() says so, naming
+    the script and the line, before any process starts."""
+    proc = run_script(tmp_path, UNGUARDED, method)
+    out = proc.stdout
+    assert "refused:" in out, out + proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in out and f"{tmp_path / 'train.py'} (line " in out, out
+    assert "num_worker_threads" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # no process was started
+    guarded = run_script(tmp_path, GUARDED, method)
+    assert "shape (4, 2)" in guarded.stdout, guarded.stdout + guarded.stderr[-3000:]
+
+
+def test_a_start_in_a_worker_importing_the_main_script_is_a_fetch_error_that_says_what_to_do(tmp_path):
+    """Where the parent cannot tell (here a guard that lets the workers' import through), the
+    worker process that imports the main script again and meets that start() ends at once, and
+    the consumer's FetchError names it and says what to do; no traceback on stderr."""
+    proc = run_script(tmp_path, """
+        if __name__ in ("__main__", "__mp_main__"):  # the workers' import of this script gets in too
+            coord = feeder.init_data_input_workers(None, ["x"], utils.ones4, 4, num_worker_processes=1,
+                                                   coordinator=feeder.GlobalCoordinator())
+            coord.start()
+            try:
+                coord.feed("train").next_batch(timeout=20)
+            except feeder.FetchError as e:
+                print("failed:", e, flush=True)
+    """)
+    out = proc.stdout
+    assert "failed:" in out and "worker 0" in out and "while starting" in out, out + proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in out and "num_worker_threads" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -452,3 +452,18 @@ class XOnly:
 
     def __call__(self, worker_id: int, batch_size: int):
         return [self.inner(worker_id, batch_size)[1]]
+
+
+class TinyThenBlock:
+    """``n`` chunks of one row (ids 0 to n-1), then a call that blocks for long, which first creates
+    the file ``entered`` (so that a test knows, whether this runs in a thread or a process)."""
+
+    def __init__(self, n: int, entered: str):
+        self.n, self.entered, self.calls = n, entered, 0
+
+    def __call__(self, worker_id: int, batch_size: int):
+        self.calls += 1
+        if self.calls <= self.n:
+            return [np.full(1, self.calls - 1, np.int64)]
+        open(self.entered, "w").close()
+        time.sleep(3600)

@@ -80,6 +80,7 @@ WAIT_S = 0.0001               # first sleep while waiting for a slot or for the 
 WAIT_MAX_S = 0.001            # ... doubling up to this (a wake-up costs microseconds; oversleeping costs rows)
 PARENT_CHECK_S = 0.2          # how often the control thread checks that the parent lives
 STOP_GRACE_S = 0.2            # after a stop request, the main thread gets this long to return
+FINAL_WORD_S = 0.05           # then the control thread waits at most this long to send the final figures
 TRIM_EVERY = 32               # chunks between two looks for free segments to give back
 STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
@@ -175,6 +176,10 @@ class _Child:
 
     # ---- the control thread ---------------------------------------------------------------
     def control_loop(self, ppid: int) -> None:
+        # faulthandler's SIGUSR1 is for the main thread (the parent sends it there, see
+        # feeder.processes.stacks); where the signal can only go to the process, not to this thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        owed = 0  # the stack request to answer (its number); retried until the answer is sent
         try:
             next_check = time.monotonic() + PARENT_CHECK_S
             while True:
@@ -185,7 +190,9 @@ class _Child:
                         self.stop.set()
                         break
                     if msg[0] == "stack":
-                        self.chan.send(("stack", self.stack(), self.stats()), timeout=0.5)
+                        owed = msg[1]
+                if owed and self.chan.send(("stack", self.stack(), owed, self.stats()), timeout=0.5):
+                    owed = 0
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + PARENT_CHECK_S
                     if os.getppid() != ppid:
@@ -193,12 +200,27 @@ class _Child:
         except (EOFError, OSError):
             pass  # the parent closed the channel or died
         self.stop.set()
-        # Give the main thread a moment to return by itself (it checks between calls); one stuck
-        # in fetch_fun is not waited for.
+        # Give the main thread a moment to return by itself (it checks between calls, and then
+        # says goodbye with its final figures); one stuck in fetch_fun is not waited for.
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline:
             time.sleep(0.01)
+        self.last_word()
         os._exit(0)
+
+    def last_word(self) -> None:
+        """The final figures, for the parent's books (rows fetched and never sent are discarded
+        there, see feeder.processes.parent), from the control thread as it ends the process. Taken
+        under the lock, which the main thread holds except inside fetch_fun: a row it counts after
+        them never leaves this process. Bounded, and silent if the parent is gone."""
+        got = self.lock.acquire(timeout=FINAL_WORD_S)
+        try:
+            self.chan.send(("bye", self.stats()), timeout=FINAL_WORD_S)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if got:
+                self.lock.release()
 
     def stack(self, frames: int = 6) -> str:
         frame = sys._current_frames().get(self.main_ident)
@@ -468,17 +490,22 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
     ppid = os.getppid()
     chan = Channel(conn)
     # Stacks on request even when the main thread holds the GIL in C code (where the control
-    # thread cannot answer): SIGUSR1 makes faulthandler write every thread's stack into this
-    # anonymous file, which the parent reads through its own descriptor.
+    # thread cannot answer): SIGUSR1, which the parent sends to the main thread, makes faulthandler
+    # write that thread's stack into this anonymous file, which the parent reads through its own
+    # descriptor. That thread's only: the others may run meanwhile, and reading the frames of a
+    # running thread can crash the process (feeder.processes.stacks).
     stacks = new_fd(STACKS_BYTES, "feeder-stacks")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=False)
     control_fd = new_fd(CONTROL_BYTES, "feeder-control")
     control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
     # Initial values first: from the hello on, the parent alone writes these fields (a batch size
     # reset or a parked worker set before the hello must not be overwritten).
     control.fields[BATCH_SIZE] = batch_size
     control.fields[GO] = 1
-    chan.send(("hello", os.getpid(), CONTROL_BYTES), (control_fd, stacks))
+    try:
+        chan.send(("hello", os.getpid(), CONTROL_BYTES, threading.get_native_id()), (control_fd, stacks))
+    except OSError:
+        return  # the parent gave up on this process while it started (stop): nothing to say, nobody to hear it
     os.close(control_fd)
     child = _Child(chan, control, worker_id)
     ctl = threading.Thread(target=child.control_loop, args=(ppid,), name="feeder:control", daemon=True)
@@ -493,7 +520,10 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
             child.status.set("in worker_init_fun")
             worker_init_fun(worker_id)
     except BaseException as e:  # noqa: B902 - whatever it was, the parent must hear of it
-        child.send("error", *_describe_exception(e), True, where)
+        try:
+            child.send("error", *_describe_exception(e), True, where)
+        except OSError:
+            pass  # the parent stopped meanwhile and closed the channel: it no longer listens
         return
     del functions
     try:
@@ -520,7 +550,9 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
 
     Returns None after BURST_CALLS calls, or the call that did not fit, as ``(result, exception,
     start, end)``, for the loop to handle as its own call. The lock is released around each call,
-    as in the loop (the control thread may put the held rows meanwhile, see ``_Child.lock``)."""
+    as in the loop (the control thread may put the held rows meanwhile, see ``_Child.lock``): so
+    the rows and chunks it holds are counted on ``child`` as they are taken, not at the end, and
+    every message the control thread sends carries figures that include every row it sends."""
     if single is None:
         return None
     dtype, rest = single[0], single[1]
@@ -530,7 +562,7 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
     pending = child.pending
     held = child.pending_rows
     deadline = child.held_since + COALESCE_HOLD_S
-    calls = taken = rows = 0
+    calls = 0
     fetch_s = 0.0
     t0 = monotonic()
     try:
@@ -559,8 +591,8 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
                     if 0 < n and held + n < bs:
                         pending.append(((a,), n))
                         held += n
-                        taken += 1
-                        rows += n
+                        child.chunks += 1
+                        child.rows += n
                         t0 = t1
                         continue
             return raw, None, t0, t1
@@ -569,8 +601,6 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
         if pending is child.pending:
             child.pending_rows = held
         child.calls += calls
-        child.chunks += taken
-        child.rows += rows
         child.fetch_s += fetch_s
 
 

@@ -67,6 +67,7 @@ from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chu
 from ..tuning import Throttle
 from ..validation import ChunkValidator
 from .child import worker_main
+from .mainguard import ADVICE, MAIN_REIMPORT_EXIT
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -84,6 +85,7 @@ from .shm import (
     map_fd,
     memory_device,
 )
+from .stacks import StackProbe
 
 log = logging.getLogger("feeder")
 
@@ -207,6 +209,22 @@ def _exit_text(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
+def _join(proc: Any, until: float) -> None:
+    """Join a process until ``until`` (monotonic s); one already closed (close() after a stop whose
+    budget ran out while the reaper still waited) has nothing left to join."""
+    try:
+        proc.join(max(0.0, until - time.monotonic()))
+    except ValueError:
+        pass
+
+
+def _exitcode(proc: Any) -> Optional[int]:
+    try:
+        return proc.exitcode  # type: ignore[no-any-return]
+    except ValueError:  # closed: it had ended (close() closes only processes that have)
+        return 0
+
+
 class _Worker:
     """The parent's record of one worker process."""
 
@@ -226,53 +244,9 @@ class _Worker:
         self.child_state = "starting"
         self.child_since = time.monotonic()
         self.done = False        # ended (StopIteration), failed, or told to stop: its exit is expected
-        self.stack: Optional[str] = None
-        self.stack_event = threading.Event()
-        self.stack_asked = 0.0  # when a stack request was sent that is not answered yet (0.0: none)
+        self.stacks = StackProbe()  # stack requests and faulthandler dumps (feeder.processes.stacks)
         self.batch_size = 0
         self.go = True
-        self.stacks_fd: Optional[int] = None  # the child's faulthandler file (see feeder.processes.child)
-        self.stacks_read = 0
-
-    def ask_fault_stacks(self) -> bool:
-        """Ask faulthandler for every thread's stack (SIGUSR1: answered by a C signal handler, even
-        while the child holds the GIL in C code); False if the process cannot be asked."""
-        if self.stacks_fd is None or self.pid is None:
-            return False
-        try:
-            os.kill(self.pid, signal.SIGUSR1)
-            return True
-        except OSError:
-            return False
-
-    def read_fault_stacks(self, deadline: float) -> str:
-        """What faulthandler wrote since the last read, once it stops growing (by ``deadline``,
-        monotonic seconds, at the latest); '' if nothing came."""
-        fd = self.stacks_fd
-        if fd is None:
-            return ""
-        try:
-            size = self.stacks_read
-            while True:
-                new = os.fstat(fd).st_size
-                now = time.monotonic()
-                if (new > self.stacks_read and new == size) or now >= deadline:
-                    break  # it wrote, and nothing more came over the last pause
-                size = new
-                time.sleep(min(0.005, max(0.0, deadline - now)))
-            text = os.pread(fd, new - self.stacks_read, self.stacks_read).decode("utf-8", "replace")
-            self.stacks_read = new
-            return text
-        except OSError:
-            return ""
-
-    def close_stacks(self) -> None:
-        if self.stacks_fd is not None:
-            try:
-                os.close(self.stacks_fd)
-            except OSError:
-                pass
-            self.stacks_fd = None
 
 
 class ProcFetchers:
@@ -384,8 +358,8 @@ class ProcFetchers:
         for share, action in ((0.5, None), (0.75, "terminate"), (0.95, "kill")):
             until = now + share * budget
             for p in procs:
-                p.join(max(0.0, until - time.monotonic()))
-            alive = [p for p in procs if p.exitcode is None]
+                _join(p, until)
+            alive = [p for p in procs if _exitcode(p) is None]
             if not alive:
                 break
             if action is not None:
@@ -397,7 +371,7 @@ class ProcFetchers:
                     except (OSError, ValueError):
                         pass
         for p in procs:  # joined: none is left a zombie (close() releases them once the receivers ended)
-            p.join(max(0.0, deadline - time.monotonic()))
+            _join(p, deadline)
 
     def close(self) -> None:
         """After stop, once the coordinator has joined the threads: release the processes, control
@@ -423,7 +397,7 @@ class ProcFetchers:
                 w.lifeline = None
             w.maps.clear()
             w.in_use.clear()
-            w.close_stacks()
+            w.stacks.close()
             if w.chan is not None:
                 w.chan.close()
 
@@ -452,7 +426,7 @@ class ProcFetchers:
                 w.chan.close()
             w.maps.clear()
             w.in_use.clear()  # views a consumer still holds keep their own mapping alive
-            w.close_stacks()
+            w.stacks.close()
 
     def _receive_loop(self, w: _Worker) -> None:
         chan, state, source = w.chan, w.state, self.source
@@ -460,7 +434,7 @@ class ProcFetchers:
         stop = self._stop
         while True:
             if source.failure is not None:  # failed here or elsewhere: no more fetch_fun calls
-                self._drain_until_stopped(w)
+                self._drain(w)
                 return
             if self._throttle is not None and w.control is not None:
                 go = state.worker_id in self._throttle.active
@@ -492,11 +466,12 @@ class ProcFetchers:
                     return
                 if not ok:
                     if stop.is_set() or source.failure is not None or source.closed:
-                        self._drain_until_stopped(w)
+                        self._drain(w)
                         return
             elif kind == "hello":
                 w.pid = msg[1]
-                control_fd, w.stacks_fd = chan.recv_fds(2)
+                control_fd, stacks_fd = chan.recv_fds(2)
+                w.stacks.attach(msg[1], msg[3], stacks_fd)
                 try:
                     check_segment(control_fd, CONTROL_BYTES, self._device)
                     w.control = ControlPage(map_fd(control_fd, CONTROL_BYTES, close=False))
@@ -528,13 +503,13 @@ class ProcFetchers:
                 if w.control is not None:
                     w.control.fields[VERDICTS] += 1
                 if failed:
-                    self._drain_until_stopped(w)
+                    self._drain(w)
                     return
             elif kind == "invalid":
                 w.done = True
                 state.set("failed")
                 source.fail(Failure(InputValidationError(msg[1] + f" (in worker process pid {w.pid})")))
-                self._drain_until_stopped(w)
+                self._drain(w)
                 return
             elif kind == "end":
                 w.done = True
@@ -543,9 +518,7 @@ class ProcFetchers:
                 if self._throttle is not None:
                     self._throttle.ended(state.worker_id)
             elif kind == "stack":
-                w.stack = msg[1]
-                w.stack_asked = 0.0
-                w.stack_event.set()
+                w.stacks.answer(msg[1], msg[2])
             elif kind == "bye":
                 w.done = True
 
@@ -669,7 +642,7 @@ class ProcFetchers:
             f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} sent "
             f"{what + ': ' if what else ''}{e}; refused (the parent maps only memory files sealed against "
             f"shrinking and reads only within them, so that nothing the process does can crash it)"), e))
-        self._drain_until_stopped(w)
+        self._drain(w)
 
     def _halt(self, w: _Worker) -> None:
         """Tell the child to stop calling fetch_fun and end (its source failed): the flag, which its
@@ -703,7 +676,9 @@ class ProcFetchers:
         state = w.state
         state.set("failed")
         where = w.child_state
-        if where == "starting":  # it never reported after its hello, or never said hello
+        if where == "starting" and w.control is None and code == MAIN_REIMPORT_EXIT:
+            where = "starting: its import of the main script called start() again; " + ADVICE
+        elif where == "starting":  # it never reported after its hello, or never said hello
             where = ("in worker_init_fun or its first fetch_fun call (it had not reported yet)"
                      if w.control is not None else
                      "starting, before it could report (its error, if any, went to stderr)")
@@ -711,25 +686,34 @@ class ProcFetchers:
             f"source {self.source.name!r}, worker {state.worker_id}: worker process pid {w.pid} died "
             f"({_exit_text(code)}) while {where}")))
 
-    def _drain_until_stopped(self, w: _Worker) -> None:
-        """After a failure: the child is told to stop; keep reading (so it never blocks on a full
-        channel) until it has ended or the feed stops."""
+    def _drain(self, w: _Worker) -> None:
+        """After a failure or at stop: the child is told to stop; keep reading until it has ended, so
+        that it never blocks on a full channel, its channel stays open while it lives (a child
+        still starting must be able to say hello) and its final figures reach the books. Chunks
+        are not taken any more: their rows count as fetched and discarded (see _receive). Bounded:
+        a child told to stop ends within STOP_GRACE_S by itself, or the reaper ends it within
+        stop()'s budget."""
         self._halt(w)
         chan = w.chan
         assert chan is not None
-        while not self._stop.is_set():
+        while True:
             try:
-                if chan.poll(SLICE_S):
-                    msg = chan.recv()
-                    if msg[0] == "chunk" and msg[7]:
-                        for fd in chan.recv_fds(1):
-                            os.close(fd)
-                    elif msg[0] == "hello":  # it started after the failure: its control page is not needed
-                        w.pid = msg[1]
-                        for fd in chan.recv_fds(2):
-                            os.close(fd)
-                    elif msg[0] == "error" and w.control is not None:
-                        w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
+                if not chan.poll(SLICE_S):
+                    if w.process is None or not w.process.is_alive():
+                        return
+                    continue
+                msg = chan.recv()
+                if msg[0] == "hello":  # it started after the failure: its control page is not needed
+                    w.pid = msg[1]
+                    for fd in chan.recv_fds(2):
+                        os.close(fd)
+                    continue
+                self._update(w, msg[-1])
+                if msg[0] == "chunk" and msg[7]:
+                    for fd in chan.recv_fds(1):
+                        os.close(fd)
+                elif msg[0] == "error" and w.control is not None:
+                    w.control.fields[VERDICTS] += 1  # it waits for one; STOP is set
             except (EOFError, OSError):
                 return
             except Exception:  # garbage from a misbehaving child: it is stopped anyway
@@ -742,35 +726,35 @@ class ProcFetchers:
 
     def request_stacks(self) -> None:
         """Ask every live process for its stack now, so that a diagnosis due soon has it (a
-        consumer calls this ``STACK_LEAD_S`` before its deadline). A request not yet answered is
-        not repeated: a child that cannot answer must not have its channel filled."""
+        consumer calls this ``STACK_LEAD_S`` before its deadline). One request per process is in
+        flight at a time, shared by every consumer that asks (feeder.processes.stacks)."""
         now = time.monotonic()
         for w in self._live():
-            if w.stack_asked:
-                continue
-            w.stack_event.clear()
-            try:
-                if w.chan.send(("stack",), timeout=0.01):  # type: ignore[union-attr]
-                    w.stack_asked = now
-            except (OSError, ValueError):
-                pass
+            self._request_stack(w, now)
+
+    @staticmethod
+    def _request_stack(w: _Worker, now: float) -> int:
+        chan = w.chan
+        if chan is None:
+            return w.stacks.sent
+        return w.stacks.request(lambda msg: chan.send(msg, timeout=0.01), now)
 
     def describe(self, now: float, stack_after_s: float = 1.0, frames: int = 6) -> List[str]:
         """One line per process (plus its stack when in fetch_fun for ``stack_after_s`` s or more),
         by ``now + STACK_WAIT_S`` at the latest: a process that answers neither through its control
-        thread nor through faulthandler is named as such."""
+        thread nor through faulthandler is named as such. Safe for any number of consumers at once
+        (feeder.processes.stacks)."""
         deadline = now + STACK_WAIT_S
-        self.request_stacks()
         live = self._live()
+        asked = {id(w): self._request_stack(w, now) for w in live}
+        answered = {}
         for w in live:  # answers: at most REPLY_WAIT_S after the request (an early one is done by now)
-            until = min(deadline - (STACK_WAIT_S - REPLY_WAIT_S), max(now, w.stack_asked + REPLY_WAIT_S))
-            w.stack_event.wait(max(0.0, until - time.monotonic()))
-        faulted = []
-        for w in live:
-            busy = time.monotonic() - w.child_since
-            if not w.stack_event.is_set() and busy >= stack_after_s and w.ask_fault_stacks():
-                faulted.append(w)
-        dumps = {id(w): w.read_fault_stacks(deadline) for w in faulted}
+            probe = w.stacks
+            until = min(deadline - (STACK_WAIT_S - REPLY_WAIT_S), max(now, probe.asked_at + REPLY_WAIT_S))
+            answered[id(w)] = asked[id(w)] > 0 and probe.wait(asked[id(w)], until)
+        dumping = [w for w in live if not answered[id(w)] and time.monotonic() - w.child_since >= stack_after_s
+                   and w.stacks.start_dump(time.monotonic())]
+        dumps = {id(w): w.stacks.read_dump(deadline) for w in dumping}
         lines = []
         for w in self._workers:
             state = w.state
@@ -779,16 +763,17 @@ class ProcFetchers:
                 else state.state
             busy = time.monotonic() - (w.child_since if alive else state.since)
             text = f"worker {state.worker_id} {what} for {busy:.1f} s (call #{state.calls}, process pid {w.pid})"
-            replied = w.stack_event.is_set()
-            if alive and replied and what == IN_FETCH and busy >= stack_after_s and w.stack:
-                lines_ = w.stack.rstrip("\n").splitlines()[-2 * frames:]
+            replied = answered.get(id(w), False)
+            stack = w.stacks.text
+            if alive and replied and what == IN_FETCH and busy >= stack_after_s and stack:
+                lines_ = stack.rstrip("\n").splitlines()[-2 * frames:]
                 text += "; stack (innermost last):\n" + "\n".join("    " + ln for ln in lines_)
             elif alive and not replied and busy >= stack_after_s:
                 dump = dumps.get(id(w), "")
-                if dump:  # faulthandler's format: most recent call first, every thread
-                    shown = dump.strip().splitlines()[:4 * frames]
-                    text += ("; it did not answer (C code holding the GIL?); faulthandler's stacks, most recent "
-                             "call first:\n" + "\n".join("    " + ln for ln in shown))
+                if dump:  # faulthandler's format: most recent call first
+                    shown = dump.strip().splitlines()[:2 * frames + 1]
+                    text += ("; it did not answer (C code holding the GIL?); faulthandler's stack of its main "
+                             "thread, most recent call first:\n" + "\n".join("    " + ln for ln in shown))
                 else:
                     text += (f"; worker {state.worker_id}, pid {w.pid}, did not answer in time (busy in C code "
                              f"holding the GIL?)")
