@@ -295,13 +295,15 @@ class Feed:
         try:
             self._enqueue()
         except BaseException as e:  # the feed must never stay "active" with nobody feeding it
+            if self._failure is not None:  # a pump failed first: that is the failure to report
+                return
             self._failure = Failure(FeederError(
                 f"source {self.input_source_name!r}: the enqueuer thread failed: {type(e).__name__}: {e}"), e)
             log.error("source %r: enqueuer thread failed", self.input_source_name, exc_info=True)
 
     def _enqueue(self) -> None:
         source, stop, lock, ready = self.source, self._stop, self._pump_lock, self._ready
-        while not stop.is_set():
+        while not stop.is_set() and self._failure is None:
             # In slices: a consumer may hold the lock for a long rebatch, and stop must not wait for it.
             if not lock.acquire(timeout=SLICE_S):
                 continue
@@ -331,7 +333,7 @@ class Feed:
         rebatcher gets the chunks in the order they were taken. Returns END when the source has
         ended (the enqueuer finishes it), CLOSED when it was closed or the feed stopped, else None.
         Never waits: every batch it makes goes into room it saw."""
-        if self._stop.is_set():
+        if self._stop.is_set() or self._failure is not None:
             return CLOSED  # what the feed holds is stop's to discard (_discard_held), under this lock
         rb, source, ready = self._rebatcher, self.source, self._ready
         new_size = self._take_new_batch_size()
@@ -374,6 +376,8 @@ class Feed:
         if lock.acquire(False):
             try:
                 self._pump_ready()
+            except Exception as e:
+                self._pump_failed(e)
             finally:
                 self._release_pump()
 
@@ -393,12 +397,36 @@ class Feed:
             source = self.source
             if source.put(chunk, 0.0, notify=False) is not True:
                 return None
-            self._pump_ready()
+            try:
+                self._pump_ready()
+            except Exception as e:
+                self._pump_failed(e)
+                return True  # the chunk is the source's: the failure is the feed's, not the fetch's
             if source.qsize() or self._rebatcher.has_batch():
                 source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
             return True
         finally:
             self._release_pump()
+
+    def _pump_failed(self, e: Exception) -> None:
+        """Making batches raised in a consumer's or a producer's pump (what the enqueuer does, done
+        in their thread): the feed fails, sticky, as when the enqueuer thread fails, so that the
+        thread that happened to be pumping is not the only one to hear of it while the feed goes on
+        without the rows it held. Nothing takes or rebatches after it (``_pump_ready``); what the
+        rebatcher and the ready queue hold stays counted as held and is discarded at stop."""
+        where = threading.current_thread().name
+        # The rows in this thread's hands (a chunk being added, a batch being made) are in neither
+        # the rebatcher nor the ready queue any more: discarded now, so that the books balance.
+        rows, self._inflight_rows = self._inflight_rows, 0
+        self._rows_discarded += rows
+        self.source.discarded(rows, fetched=False)
+        if self._failure is not None:
+            return
+        self._failure = Failure(FeederError(
+            f"source {self.input_source_name!r}: making a batch failed in thread {where!r} (a pump): "
+            f"{type(e).__name__}: {e}"), e)
+        log.error("source %r: making a batch failed in thread %r", self.input_source_name, where, exc_info=e)
+        self.source.wake_getters()
 
     def _release_pump(self) -> None:
         """Let the pump lock go; if stop() could not wait for it meanwhile, discard what the feed

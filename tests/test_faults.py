@@ -215,7 +215,10 @@ def test_enqueuer_failure_reaches_the_consumer(coord):
 
     feed._rebatcher.add = broken_add
     coord.start()
-    with pytest.raises(feeder.FeederError, match="enqueuer thread failed.*MemoryError") as info:
+    # Batches are made by the enqueuer or, without a hand-over, by a producer's or consumer's pump:
+    # whichever thread meets the failure, the feed fails with it.
+    with pytest.raises(feeder.FeederError, match=r"(enqueuer thread failed|making a batch failed in thread).*"
+                                                 r"MemoryError") as info:
         feed.next_batch()
     assert info.value.__cause__ is oom
     with pytest.raises(feeder.FeederError):
@@ -322,3 +325,43 @@ def test_hanging_external_logger_cannot_hang_stop():
         assert time.monotonic() - t0 < 1.5
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("where", ["producer", "consumer"])
+def test_a_failure_making_a_batch_in_a_pump_fails_the_feed_and_books_its_rows(coord, where):
+    """A pump (a producer's or a consumer's, doing the enqueuer's work in its own thread) that
+    meets a failure fails the feed, sticky, like the enqueuer; the rows it held are discarded at
+    stop, never lost from the books (the autouse ledger check)."""
+    from feeder.chunkqueue import Chunk
+
+    gate = threading.Event()  # the producer under test is this thread: the fetcher waits
+
+    def fetch(worker_id, batch_size):
+        gate.wait(5)
+        return rows()
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 4, num_worker_threads=1, coordinator=coord, timeout=10)
+    feed = coord.feed("train")
+    boom = RuntimeError("rebatcher broke")
+
+    def add(arrays, n=None):
+        raise boom
+
+    feed._rebatcher.add = add
+    feed._enqueue = lambda: None      # only the pump under test makes batches:
+    feed._fetchers._pump = None       # the fetchers put their chunks on the source the usual way
+    if where == "producer":
+        feed._pump = lambda: None     # and the consumer waits; a producer's pump_put takes a chunk on
+    coord.start()
+    try:
+        if where == "producer":
+            assert feed.pump_put(Chunk(99, (np.zeros((4, 1), np.float32),), 4)) is True
+        else:
+            assert feed.source.put(Chunk(99, (np.zeros((4, 1), np.float32),), 4), 1.0) is True
+        with pytest.raises(feeder.FeederError, match="making a batch failed in thread.*RuntimeError") as info:
+            feed.next_batch()
+        assert info.value.__cause__ is boom
+        with pytest.raises(feeder.FeederError):
+            feed.next_batch()
+    finally:
+        gate.set()
