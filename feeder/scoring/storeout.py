@@ -50,6 +50,7 @@ from .outputdir import Listing
 MANIFEST_NAME = "_manifest.json"
 SUCCESS_NAME = "_SUCCESS"
 LEASE_NAME = "_feeder_predict.lease"
+TORN_READS = 3  # reads of a manifest that does not parse before it counts as damaged
 STORE_PART_RE = re.compile(r"part-(\d{5,})-([0-9a-f]{8})\.parquet\Z")
 
 
@@ -151,14 +152,27 @@ class StoreOutput:
     def read_state(self) -> Dict[str, Any]:
         """The committed manifest; ValueError if it is not one this version of feeder wrote."""
         try:
-            raw = self._io(lambda: self.store.read_bytes(self._key(MANIFEST_NAME)), "reading the manifest")
-            state = json.loads(raw.decode("utf-8"))
+            state = self._io(self._read_manifest, "reading the manifest")
         except (OSError, ValueError) as e:
             raise ValueError(f"output {self.path!r}: its manifest {MANIFEST_NAME} cannot be read ({e}); "
                              f"pass overwrite=True to start afresh") from e
         if not isinstance(state, dict):
             raise ValueError(f"output {self.path!r}: {MANIFEST_NAME} does not hold a feeder.predict manifest")
         return state
+
+    def _read_manifest(self) -> Any:
+        """The manifest, parsed. pyarrow reads an object with a HEAD (its size) and then a GET of
+        that many bytes: a manifest replaced in between (a call still running elsewhere) reads
+        short, and is read again (up to :data:`TORN_READS` times)."""
+        for attempt in range(TORN_READS):
+            raw = self.store.read_bytes(self._key(MANIFEST_NAME))
+            try:
+                return json.loads(raw.decode("utf-8"))
+            except ValueError:
+                if attempt == TORN_READS - 1:
+                    raise
+                time.sleep(0.05)
+        return None  # pragma: no cover - the loop returns or raises
 
     def size(self, name: str) -> Optional[int]:
         return self._io(lambda: self.store.size(self._key(name)), f"looking at {name}")  # type: ignore[no-any-return]

@@ -568,7 +568,11 @@ class ParquetSource(ShardedSource):
                 self._open.move_to_end(index)
                 return entry[0], self._footers[index]
         store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
-        handle = store.open_input(path)  # type: ignore[attr-defined]
+        try:
+            handle = store.open_input(path)  # type: ignore[attr-defined]
+        except (FileNotFoundError, PermissionError) as e:  # gone or denied: as a local file's stat says
+            raise InputValidationError(f"Parquet file {shown!r} cannot be read any more ({type(e).__name__}: "
+                                       f"{e})") from e
         try:
             now = (int(handle.size()), store.version_of(path, handle))  # type: ignore[attr-defined]
             if now != self._stamps[index]:
