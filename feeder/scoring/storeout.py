@@ -68,6 +68,7 @@ class StoreOutput:
         self.run = secrets.token_hex(4)
         self.retry = retry or Retry()
         self._leased = False
+        self._streams: Dict[int, Any] = {}  # part index -> its upload, open
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -197,20 +198,28 @@ class StoreOutput:
     def part_name(self, index: int) -> str:
         return f"part-{index:05d}-{self.run}.parquet"
 
-    def part_target(self, index: int) -> Tuple[str, Any]:
-        """(where a ParquetWriter writes part ``index``, the filesystem): its final, unique name,
-        since an upload appears only once complete."""
-        return self._key(self.part_name(index)), self.store.fs
+    def part_target(self, index: int) -> Tuple[Any, Any]:
+        """(what a ParquetWriter writes part ``index`` to, no filesystem): an output stream to its
+        final, unique name, since an upload appears only once complete."""
+        stream = self._io(lambda: self.store.fs.open_output_stream(self._key(self.part_name(index))),
+                          f"starting {self.part_name(index)}")
+        self._streams[index] = stream
+        return stream, None
 
     def publish_part(self, index: int, durable: bool = True) -> int:
-        """The part's upload is complete (its writer closed): its size in bytes."""
-        size = self.size(self.part_name(index))
-        if size is None:
-            raise FeederError(f"feeder.predict: part {self.part_name(index)} is not in {self.path!r} after its "
-                              f"upload completed")
+        """Complete the part's upload (its writer closed): it appears whole; its size in bytes."""
+        stream = self._streams.pop(index)
+        size = int(stream.tell())
+        stream.close()
         return size
 
     def discard_part(self, index: int) -> None:
+        stream = self._streams.pop(index, None)
+        if stream is not None:
+            try:
+                stream.close()  # an upload cannot be left half-way through pyarrow: complete it, then delete it
+            except Exception:
+                pass
         self.remove([self.part_name(index)])
 
     def write_marker(self, durable: bool = True) -> None:

@@ -39,7 +39,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 IDENTITIES = ("metadata", "content")
 FOOTER_THREADS = 32        # footers (and versions) of objects in a store read at once at creation and start
 LOCAL_FOOTER_THREADS = 8   # ... and of local files (a network disk gains; a local one loses nothing)
-READAHEAD_UNITS = 16       # readahead=None on a store: units read ahead per source (and process)
+READAHEAD_UNITS = 64       # readahead=None on a store: units (row groups) taken ahead per source (and process)
+READAHEAD_THREADS = 16     # ... read by at most this many threads (requests in flight)
+COALESCE_BYTES = 8 << 20   # adjacent row groups of one object read in one request up to this many bytes on disk
 READAHEAD_BYTES = 256 << 20  # readahead_bytes=None: bytes (decoded) read ahead and not yet taken, at most
 OPEN_HANDLES = 64          # objects kept open per source (and process), least recently used closed first
 PRE_BUFFER = True          # a row group's column chunks fetched in few coalesced, concurrent requests
@@ -213,6 +215,7 @@ class ParquetSource(ShardedSource):
         self._prints: Optional[List[str]] = None  # per file, see _file_print
         self._printed_for: Optional[Tuple[str, ...]] = None
         self._unit_bytes: Optional[np.ndarray] = None  # per unit, the used columns' decoded bytes
+        self._unit_disk: Optional[np.ndarray] = None   # ... and their bytes in the file
         shared: Dict[Tuple[Tuple[str, str], ...], Dict[str, str]] = {}
         units: List[int] = []
         self._unit_at: List[Tuple[int, int]] = []  # unit -> (file index, row group)
@@ -242,6 +245,7 @@ class ParquetSource(ShardedSource):
         units taken ahead. Made empty here, at bind, at release and when unpickled."""
         self._io_lock = threading.Lock()
         self._open: "OrderedDict[int, List[Any]]" = OrderedDict()  # file index -> [handle, users]
+        self._opening: Dict[int, threading.Event] = {}             # file index -> set once it is open
         self._pool: Optional[Readahead] = None
         self._ahead: Dict[int, Deque[List[Any]]] = {}  # readahead key -> [[sequence index, unit, submitted]]
         self._ended: Set[int] = set()                     # readahead keys whose sequence has ended
@@ -368,8 +372,9 @@ class ParquetSource(ShardedSource):
                 metas = [f if f is not None else self._footer(i, None) for i, f in enumerate(self._footers)]
             self._prints = [_file_print(meta, size, used) for meta, (size, _) in zip(metas, self._stamps)]
             if self.remote:
-                self._unit_bytes = np.array([_group_bytes(metas[i].row_group(rg), used) for i, rg in self._unit_at],
-                                            dtype=np.int64)
+                sizes = np.array([_group_bytes(metas[i].row_group(rg), used) for i, rg in self._unit_at],
+                                 dtype=np.int64).reshape(-1, 2)
+                self._unit_bytes, self._unit_disk = sizes[:, 0].copy(), sizes[:, 1].copy()
             self._printed_for = used
             self._metas = None
         return self._prints
@@ -496,7 +501,7 @@ class ParquetSource(ShardedSource):
         state["_handles"] = {}  # open files stay with their process
         state["_metas"] = None  # footers are not sent: the fingerprint was taken at registration
         state["_footers"] = [None] * len(self._footers)  # read again where needed, once per object
-        for name in ("_io_lock", "_open", "_pool", "_ahead", "_ended", "_stop"):
+        for name in ("_io_lock", "_open", "_opening", "_pool", "_ahead", "_ended", "_stop"):
             state.pop(name, None)
         return state
 
@@ -528,7 +533,10 @@ class ParquetSource(ShardedSource):
         if not self._stores[index].local:
             pool = self._pool
             got = pool.take(unit) if pool is not None else None
-            return got() if got is not None else self._read_remote(unit, worker_id)
+            value = got() if got is not None else self._read_remote([unit], worker_id)[0]
+            if isinstance(value, _Failed):
+                raise value.error
+            return value
         assert self.columns is not None  # set at registration
         pf = self._file(worker_id, index)
         try:
@@ -536,37 +544,79 @@ class ParquetSource(ShardedSource):
         except (import_pyarrow().ArrowException, OSError) as e:
             raise _read_error(e, f"Parquet file {self.files[index][0]!r}, row group {rg}") from e
 
-    def _read_remote(self, unit: int, worker_id: int) -> Any:
-        """An object's row group, read through its shared handle with transient failures retried."""
-        index, rg = self._unit_at[unit]
+    def _read_remote(self, units: Sequence[int], worker_id: int) -> List[Any]:
+        """Row groups of one object (adjacent ones, fetched in one request), each as its own table
+        (or a ``_Failed`` holding what reading it raised), read through the object's shared handle
+        with transient failures retried. When a read of several fails, each is read on its own, so
+        that a damaged row group fails only itself."""
+        index = self._unit_at[units[0]][0]
+        rgs = [self._unit_at[u][1] for u in units]
         assert self.columns is not None  # set at registration
         cols = list(self.columns.values())
         pa = import_pyarrow()
-        where = f"Parquet file {self.files[index][0]!r}, row group {rg}"
+        shown = self.files[index][0]
+        where = f"Parquet file {shown!r}, row group{'s' if len(rgs) > 1 else ''} {', '.join(map(str, rgs))}"
 
         def once() -> Any:
             handle, footer = self._acquire(index, worker_id)
             try:
-                return pa.parquet.ParquetFile(handle, metadata=footer, pre_buffer=PRE_BUFFER).read_row_group(
-                    rg, columns=cols)
+                return pa.parquet.ParquetFile(handle, metadata=footer, pre_buffer=PRE_BUFFER).read_row_groups(
+                    rgs, columns=cols)
             finally:
                 self._unuse(index)
         try:
-            return self._io(once, f"reading {where}", worker_id)
-        except InputValidationError:
-            raise
-        except (pa.ArrowException, OSError) as e:
-            raise _read_error(e, where) from e
+            table = self._io(once, f"reading {where}", worker_id)
+        except Exception as e:
+            if len(units) > 1:
+                return [self._read_remote([u], worker_id)[0] for u in units]
+            if isinstance(e, InputValidationError) or not isinstance(e, (pa.ArrowException, OSError)):
+                return [_Failed(e)]
+            failed = _read_error(e, where)
+            failed.__cause__ = e
+            return [_Failed(failed)]
+        out, at = [], 0
+        for u in units:
+            n = int(self._units[u])
+            out.append(table.slice(at, n) if len(units) > 1 else table)
+            at += n
+        return out
 
     def _acquire(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
-        """(the object's open handle, its footer), opened on first use in this process (on S3 a
-        HEAD request, whose size and ETag must be what they were: InputValidationError if not)."""
+        """(the object's open handle, its footer), opened once per process by one thread while the
+        others wait (on S3 a HEAD request, whose size and ETag must be what they were:
+        InputValidationError if not)."""
+        while True:
+            with self._io_lock:
+                entry = self._open.get(index)
+                if entry is not None:
+                    entry[1] += 1
+                    self._open.move_to_end(index)
+                    return entry[0], self._footers[index]
+                opening = self._opening.get(index)
+                if opening is None:
+                    opening = self._opening[index] = threading.Event()
+                    break
+            opening.wait(1.0)  # another thread opens it (a request): use its handle, or try again
+        try:
+            handle, footer = self._open_object(index, worker)
+        finally:
+            with self._io_lock:
+                del self._opening[index]
+            opening.set()
+        idle = []
         with self._io_lock:
-            entry = self._open.get(index)
-            if entry is not None:
-                entry[1] += 1
-                self._open.move_to_end(index)
-                return entry[0], self._footers[index]
+            self._footers[index] = footer
+            self._open[index] = [handle, 1]
+            while len(self._open) > OPEN_HANDLES:
+                oldest = next((i for i, (_, users) in self._open.items() if users == 0), None)
+                if oldest is None:
+                    break
+                idle.append(self._open.pop(oldest)[0])
+        for h in idle:
+            h.close()
+        return handle, footer
+
+    def _open_object(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
         store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
         try:
             handle = store.open_input(path)  # type: ignore[attr-defined]
@@ -585,23 +635,6 @@ class ParquetSource(ShardedSource):
         except BaseException:
             handle.close()
             raise
-        idle = []
-        with self._io_lock:
-            self._footers[index] = footer
-            entry = self._open.get(index)
-            if entry is not None:  # another thread opened it meanwhile: use that one
-                entry[1] += 1
-                idle.append(handle)
-                handle = entry[0]
-            else:
-                self._open[index] = [handle, 1]
-                while len(self._open) > OPEN_HANDLES:
-                    oldest = next((i for i, (_, users) in self._open.items() if users == 0), None)
-                    if oldest is None:
-                        break
-                    idle.append(self._open.pop(oldest)[0])
-        for h in idle:
-            h.close()
         return handle, footer
 
     def _unuse(self, index: int) -> None:
@@ -623,14 +656,24 @@ class ParquetSource(ShardedSource):
         with self._io_lock:
             pool = self._pool
             if pool is None:
-                name = binding.source_name if binding is not None else "parquet"
-                pool = self._pool = Readahead(f"feeder:{name}:readahead", self._readahead, self._readahead_bytes)
+                pool = self._pool = self._start_pool(binding.source_name if binding is not None else "parquet")
             queue = self._ahead.setdefault(key, deque())
             if not queue:
                 queue.append(self._claim(worker_id, key))
             entry = queue.popleft()
             self._top_up(pool, queue, worker_id, key)
         return int(entry[0])
+
+    def _start_pool(self, name: str) -> Readahead:
+        threads = min(self._readahead, READAHEAD_THREADS)
+        pa = import_pyarrow()
+        if pa.io_thread_count() < threads:
+            # pre-buffered reads run on pyarrow's I/O pool (8 threads by default): as many as the
+            # readahead's, or its requests would queue there (process-wide; never lowered)
+            log.debug("ParquetSource: pyarrow's I/O thread pool raised from %d to %d threads", pa.io_thread_count(),
+                      threads)
+            pa.set_io_thread_count(threads)
+        return Readahead(f"feeder:{name}:readahead", threads, self._readahead_bytes)
 
     def _claim(self, worker_id: int, key: int) -> List[Any]:
         index = super()._take(worker_id)
@@ -639,27 +682,51 @@ class ParquetSource(ShardedSource):
             self._ended.add(key)  # every later index is past the end too
         return [index, None if where is None else where[0], False]
 
+    def _adjacent(self, unit: int, after: int) -> bool:
+        f0, r0 = self._unit_at[after]
+        f1, r1 = self._unit_at[unit]
+        return f0 == f1 and r1 == r0 + 1
+
     def _top_up(self, pool: Readahead, queue: Deque[List[Any]], worker_id: int, key: int) -> None:
-        """Read ahead what was taken and not yet read, then take more, as far as ``readahead``
-        units and ``readahead_bytes`` allow (called under the I/O lock)."""
-        sizes = self._unit_bytes
+        """Once half of what was taken ahead is consumed, take units up to ``readahead`` ahead again
+        (in batches, so that adjacent units are read together); then read ahead those not yet
+        submitted: runs of adjacent row groups of one object in one request each (up to
+        COALESCE_BYTES on disk and ``readahead_bytes`` decoded), as far as ``readahead_bytes``
+        allows. Called under the I/O lock."""
+        if len(queue) <= self._readahead // 2:  # in batches, so that adjacent units make one request
+            while len(queue) < self._readahead and key not in self._ended:
+                queue.append(self._claim(worker_id, key))
+        decoded, disk = self._unit_bytes, self._unit_disk
+        assert decoded is not None and disk is not None  # taken at registration with the columns
+        runs: List[List[List[Any]]] = []
+        run: List[List[Any]] = []
+        run_disk = run_decoded = 0
         for entry in queue:
-            if not entry[2] and entry[1] is not None:
-                nbytes = int(sizes[entry[1]]) if sizes is not None else 0
-                if not pool.room(nbytes):
-                    return
-                pool.submit(entry[1], _ReadUnit(self, entry[1], worker_id), nbytes)
-                entry[2] = True
-        while len(queue) < self._readahead and key not in self._ended:
-            entry = self._claim(worker_id, key)
-            queue.append(entry)
-            if entry[1] is None:
-                return
-            nbytes = int(sizes[entry[1]]) if sizes is not None else 0
-            if not pool.room(nbytes):
-                return
-            pool.submit(entry[1], _ReadUnit(self, entry[1], worker_id), nbytes)
-            entry[2] = True
+            unit = entry[1]
+            if entry[2] or unit is None:
+                if run:
+                    runs.append(run)
+                run = []
+                continue
+            if run and self._adjacent(unit, run[-1][1]) and run_disk + int(disk[unit]) <= COALESCE_BYTES \
+                    and run_decoded + int(decoded[unit]) <= self._readahead_bytes:
+                run.append(entry)
+                run_disk += int(disk[unit])
+                run_decoded += int(decoded[unit])
+            else:
+                if run:
+                    runs.append(run)
+                run, run_disk, run_decoded = [entry], int(disk[unit]), int(decoded[unit])
+        if run:
+            runs.append(run)
+        for r in runs:
+            units = [e[1] for e in r]
+            sizes = [int(decoded[u]) for u in units]
+            if not pool.room(sum(sizes)):
+                break
+            pool.submit(units, _ReadRun(self, units, worker_id), sizes)
+            for e in r:
+                e[2] = True
 
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         index, rg = self._unit_at[unit]
@@ -679,16 +746,25 @@ class ParquetSource(ShardedSource):
         return out
 
 
-class _ReadUnit:
-    """A readahead job: one unit's row group, read for the worker that took it."""
+class _ReadRun:
+    """A readahead job: adjacent row groups of one object, read for the worker that took them."""
 
-    __slots__ = ("source", "unit", "worker_id")
+    __slots__ = ("source", "units", "worker_id")
 
-    def __init__(self, source: ParquetSource, unit: int, worker_id: int):
-        self.source, self.unit, self.worker_id = source, unit, worker_id
+    def __init__(self, source: ParquetSource, units: List[int], worker_id: int):
+        self.source, self.units, self.worker_id = source, units, worker_id
 
-    def __call__(self) -> Any:
-        return self.source._read_remote(self.unit, self.worker_id)
+    def __call__(self) -> List[Any]:
+        return self.source._read_remote(self.units, self.worker_id)
+
+
+class _Failed:
+    """What reading one unit ahead raised, re-raised by the fetch call that takes the unit."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 def _count(name: str, value: Any) -> int:
@@ -699,15 +775,17 @@ def _count(name: str, value: Any) -> int:
     return int(value)
 
 
-def _group_bytes(group: Any, used: Sequence[str]) -> int:
-    """Bytes of a row group's used columns once decoded (their uncompressed size, at least 1)."""
-    total = 0
+def _group_bytes(group: Any, used: Sequence[str]) -> Tuple[int, int]:
+    """Bytes of a row group's used columns once decoded (their uncompressed size) and in the file
+    (compressed), at least 1 each."""
+    decoded = disk = 0
     for j in range(group.num_columns):
         chunk = group.column(j)
         path = chunk.path_in_schema
         if any(path == c or path.startswith(c + ".") for c in used):
-            total += int(chunk.total_uncompressed_size)
-    return max(1, total)
+            decoded += int(chunk.total_uncompressed_size)
+            disk += int(chunk.total_compressed_size)
+    return max(1, decoded), max(1, disk)
 
 
 def _read_footer(pa: Any, path: Any, shown: Optional[str] = None) -> Any:

@@ -1,15 +1,16 @@
 """Reading units of work ahead of the fetch calls that will ask for them, to hide storage latency.
 
-Reading one Parquet row group from an object store costs a request or two of 50-100 ms, most
-of it waiting: a few fetcher threads, each waiting for its own row group, cannot keep a model
-busy. A :class:`Readahead` is a small pool of daemon threads (named
-``feeder:<source>:readahead-<k>``) that runs the reads of the units a source has already taken
-from its sequence, so that many requests are in flight while the fetch calls consume what came
-back. Memory is bounded in bytes: the units read or being read and not yet taken (by their
-decoded size) stay under ``max_bytes``, with at least one always allowed.
+Reading one Parquet row group from an object store costs a request of 50-100 ms, most of it
+waiting: a few fetcher threads, each waiting for its own row group, cannot keep a model busy. A
+:class:`Readahead` is a small pool of daemon threads (named ``feeder:<source>:readahead-<k>``)
+that runs the reads of the units a source has already taken from its sequence, so that many
+requests are in flight while the fetch calls consume what came back. One job may read several
+units at once (adjacent row groups of one file, fetched in one request); each unit's result is
+taken on its own. Memory is bounded in bytes: the units read or being read and not yet taken (by
+their decoded size) stay under ``max_bytes``, with at least one job always allowed.
 
 A waiting fetch call waits in short slices; once the pool is closed (the source released at
-``stop()``), a read not yet started is run by the caller itself, so that nobody waits on a pool
+``stop()``), a job not yet started is run by the caller itself, so that nobody waits on a pool
 that is gone. :meth:`Readahead.close` ends every thread within its join budget.
 """
 from __future__ import annotations
@@ -17,33 +18,63 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Hashable, List, Optional
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence
 
 SLICE_S = 0.1   # longest single wait of a pool thread or a waiting caller
 JOIN_S = 2.0    # close(): how long it waits for the threads in all
 
 
-class _Slot:
-    __slots__ = ("fn", "nbytes", "state", "value", "error", "done")
+class _Job:
+    """One read on a pool thread, giving one result per unit it covers."""
 
-    def __init__(self, fn: Callable[[], Any], nbytes: int):
+    __slots__ = ("fn", "slots", "state", "lock")
+
+    def __init__(self, fn: Callable[[], Sequence[Any]]):
         self.fn = fn
+        self.slots: List[_Slot] = []
+        self.state = "pending"   # -> "running" -> "done"
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        """Run it here (once: a second caller finds it running or done and returns)."""
+        with self.lock:
+            if self.state != "pending":
+                return
+            self.state = "running"
+        try:
+            values = list(self.fn())
+        except BaseException as e:  # handed to every caller that takes one of its units
+            for slot in self.slots:
+                slot.error = e
+        else:
+            for slot, value in zip(self.slots, values):
+                slot.value = value
+        self.state = "done"
+        self.fn = _done  # let go of what the read referred to
+        for slot in self.slots:
+            slot.done.set()
+
+
+class _Slot:
+    __slots__ = ("job", "nbytes", "value", "error", "done")
+
+    def __init__(self, job: _Job, nbytes: int):
+        self.job = job
         self.nbytes = nbytes
-        self.state = "pending"   # -> "running" -> "done"; or "taken" by a caller that runs it itself
         self.value: Any = None
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
 
 
 class Readahead:
-    """Reads submitted under a key run on ``threads`` daemon threads; :meth:`take` gets the
-    oldest one of a key back. ``max_bytes`` bounds what is read and not yet taken."""
+    """Jobs submitted under keys run on ``threads`` daemon threads; :meth:`take` gets the oldest
+    result of a key back. ``max_bytes`` bounds what is read and not yet taken."""
 
     def __init__(self, name: str, threads: int, max_bytes: int):
         self.name = name
         self.max_bytes = int(max_bytes)
         self._cond = threading.Condition()
-        self._queue: Deque[_Slot] = deque()
+        self._queue: Deque[_Job] = deque()
         self._by_key: Dict[Hashable, Deque[_Slot]] = {}
         self._reserved = 0
         self._closed = False
@@ -54,32 +85,32 @@ class Readahead:
 
     @property
     def reserved(self) -> int:
-        """Bytes of the reads submitted and not yet taken."""
+        """Bytes of the units submitted and not yet taken."""
         return self._reserved
 
     def room(self, nbytes: int) -> bool:
-        """Whether a read of ``nbytes`` fits the bound now (one always does when none is held)."""
+        """Whether a job of ``nbytes`` fits the bound now (one always does when none is held)."""
         with self._cond:
             return not self._closed and (self._reserved == 0 or self._reserved + nbytes <= self.max_bytes)
 
-    def submit(self, key: Hashable, fn: Callable[[], Any], nbytes: int) -> None:
-        """Run ``fn`` on a pool thread; its result is kept for the next :meth:`take` of ``key``."""
-        slot = _Slot(fn, int(nbytes))
+    def submit(self, keys: Sequence[Hashable], fn: Callable[[], Sequence[Any]], nbytes: Sequence[int]) -> None:
+        """Run ``fn`` on a pool thread; it returns one result per key, each kept for the next
+        :meth:`take` of its key (``nbytes``: each one's size)."""
+        job = _Job(fn)
         with self._cond:
             if self._closed:
                 return
-            self._reserved += slot.nbytes
-            self._by_key.setdefault(key, deque()).append(slot)
-            self._queue.append(slot)
+            for key, size in zip(keys, nbytes):
+                slot = _Slot(job, int(size))
+                job.slots.append(slot)
+                self._reserved += slot.nbytes
+                self._by_key.setdefault(key, deque()).append(slot)
+            self._queue.append(job)
             self._cond.notify()
 
-    def pending(self, key: Hashable) -> int:
-        with self._cond:
-            return len(self._by_key.get(key, ()))
-
     def take(self, key: Hashable) -> Optional[Callable[[], Any]]:
-        """The oldest read submitted under ``key`` as a callable that returns its result (waiting
-        for it, or running it in the caller if no thread has started it), or None if none is."""
+        """The oldest result submitted under ``key`` as a callable that returns it (waiting for
+        its job, or running the job in the caller if no thread has started it), or None."""
         with self._cond:
             slots = self._by_key.get(key)
             if not slots:
@@ -93,19 +124,12 @@ class Readahead:
 
     def _result(self, slot: _Slot) -> Any:
         while not slot.done.wait(SLICE_S):
-            with self._cond:
-                if slot.state == "pending" and self._closed:
-                    slot.state = "taken"  # no thread will start it now: run it here
-                    try:
-                        self._queue.remove(slot)
-                    except ValueError:
-                        pass
-                    break
-        else:
-            if slot.error is not None:
-                raise slot.error
-            return slot.value
-        return slot.fn()
+            if self._closed and slot.job.state == "pending":
+                slot.job.run()  # no thread will start it now: run it here
+        if slot.error is not None:
+            raise slot.error
+        value, slot.value = slot.value, None
+        return value
 
     def _loop(self) -> None:
         while True:
@@ -114,18 +138,11 @@ class Readahead:
                     self._cond.wait(SLICE_S)
                 if self._closed:
                     return
-                slot = self._queue.popleft()
-                slot.state = "running"
-            try:
-                slot.value = slot.fn()
-            except BaseException as e:  # handed to the caller that takes it
-                slot.error = e
-            slot.state = "done"
-            slot.done.set()
-            slot.fn = _done  # let go of what the read referred to
+                job = self._queue.popleft()
+            job.run()
 
     def close(self) -> bool:
-        """Stop the threads (reads under way finish on their own) and forget what was read;
+        """Stop the threads (jobs under way finish on their own) and forget what was read;
         True if every thread ended within the join budget."""
         with self._cond:
             self._closed = True
@@ -140,5 +157,5 @@ class Readahead:
         return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
 
 
-def _done() -> Any:
-    raise RuntimeError("a readahead slot was run twice")
+def _done() -> Sequence[Any]:
+    raise RuntimeError("a readahead job was run twice")
