@@ -39,7 +39,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 IDENTITIES = ("metadata", "content")
 FOOTER_THREADS = 32        # footers (and versions) of objects in a store read at once at creation and start
 LOCAL_FOOTER_THREADS = 8   # ... and of local files (a network disk gains; a local one loses nothing)
-READAHEAD_UNITS = 64       # readahead=None on a store: units (row groups) taken ahead per source (and process)
+READAHEAD_UNITS = 128      # readahead=None on a store: units (row groups) taken ahead per source (and process)
 READAHEAD_THREADS = 16     # ... read by at most this many threads (requests in flight)
 COALESCE_BYTES = 8 << 20   # adjacent row groups of one object read in one request up to this many bytes on disk
 READAHEAD_BYTES = 256 << 20  # readahead_bytes=None: bytes (decoded) read ahead and not yet taken, at most
@@ -90,9 +90,10 @@ class ParquetSource(ShardedSource):
     backoff (0.1 s doubling, at most 5 s, about 3 s in all for 5), then the read fails as a fetch
     error (which ``max_fetch_errors`` may tolerate); a missing object or access denied is not
     retried. :meth:`feeder_counters` reports the retries. Reading from a store, the next
-    ``readahead`` units are read ahead on as many threads (named ``feeder:<source>:readahead-<k>``),
-    so that many requests are in flight while the fetchers hand on what came back; what they hold
-    is bounded by ``readahead_bytes``.
+    ``readahead`` units of the sequence are taken ahead and read on up to 16 threads (named
+    ``feeder:<source>:readahead-<k>``), adjacent row groups of one object in one request (up to
+    8 MiB), so that many requests are in flight while the fetchers hand on what came back; what
+    they hold is bounded by ``readahead_bytes``.
 
     Conversion to numpy: numeric columns without nulls are not copied (read-only views of
     Arrow's buffers), fixed-size lists (nested too), fixed-shape tensors and lists that all
@@ -133,9 +134,9 @@ class ParquetSource(ShardedSource):
             plain path is local). Credentials are the filesystem's business.
         retries: How many times a transient failure of the store is retried (an int >= 0),
             with exponential backoff, before the read fails.
-        readahead: Units (row groups) read ahead of the fetch calls, on as many threads, per
-            source and worker process (an int >= 0; 0: none); None: 16 for a store, 0 for local
-            files.
+        readahead: Units (row groups) taken and read ahead of the fetch calls, per source and
+            worker process (an int >= 0; 0: none), on up to 16 threads; None: 128 for a store, 0
+            for local files.
         readahead_bytes: Bytes (decoded) of the units read ahead and not yet taken, at most
             (one unit is always allowed); None: 256 MiB.
 
@@ -461,10 +462,26 @@ class ParquetSource(ShardedSource):
         self._release_io()
         self._stop = threading.Event()
         workers = FOOTER_THREADS if self.remote else 1
-        for changed in map_bounded(self._changed, list(range(len(self.files))), workers, "feeder:parquet:check"):
+        for changed in map_bounded(self._check, list(range(len(self.files))), workers, "feeder:parquet:check"):
             if changed is not None:
+                self._release_io()
                 raise ValueError(f"source {binding.source_name!r}: {changed}")
         super().feeder_bind(binding)
+
+    def _check(self, index: int) -> Optional[str]:
+        """At bind: how file ``index`` changed, or None (an object: one request for its size and
+        version). Its handle is not kept: reads open it again and check it then, so that an
+        object replaced between start() and its first read is found too."""
+        if self._stores[index].local:
+            return self._changed(index)
+        try:
+            handle, _ = self._open_object(index, None, retry=True)
+        except InputValidationError as e:
+            return str(e)
+        except OSError as e:
+            return f"Parquet file {self.files[index][0]!r} cannot be read any more ({type(e).__name__}: {e})"
+        handle.close()
+        return None
 
     def feeder_describe(self) -> str:
         """A phrase for FeedTimeout and ``diagnose()`` messages: rows, row groups, files, epochs."""
@@ -562,6 +579,12 @@ class ParquetSource(ShardedSource):
             try:
                 return pa.parquet.ParquetFile(handle, metadata=footer, pre_buffer=PRE_BUFFER).read_row_groups(
                     rgs, columns=cols)
+            except Exception as e:
+                if is_transient(e):
+                    # the retry opens the object again, checking its size and version: one deleted
+                    # or replaced under this handle is then named, never read through it again
+                    self._forget(index, handle)
+                raise
             finally:
                 self._unuse(index)
         try:
@@ -616,10 +639,14 @@ class ParquetSource(ShardedSource):
             h.close()
         return handle, footer
 
-    def _open_object(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
+    def _open_object(self, index: int, worker: Optional[int], retry: bool = False) -> Tuple[Any, Any]:
+        """(an open handle, the footer) of object ``index``, whose size and version must be what
+        they were (InputValidationError naming how it changed, or that it is gone). ``retry``:
+        retry a transient failure here (the reads retry it themselves)."""
         store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
+        opener = functools.partial(store.open_input, path)  # type: ignore[attr-defined]
         try:
-            handle = store.open_input(path)  # type: ignore[attr-defined]
+            handle = self._io(opener, f"opening {shown!r}", worker) if retry else opener()
         except (FileNotFoundError, PermissionError) as e:  # gone or denied: as a local file's stat says
             raise InputValidationError(f"Parquet file {shown!r} cannot be read any more ({type(e).__name__}: "
                                        f"{e})") from e
@@ -636,6 +663,13 @@ class ParquetSource(ShardedSource):
             handle.close()
             raise
         return handle, footer
+
+    def _forget(self, index: int, handle: Any) -> None:
+        """Stop sharing ``handle`` (its users finish with it; it closes when they let go)."""
+        with self._io_lock:
+            entry = self._open.get(index)
+            if entry is not None and entry[0] is handle:
+                del self._open[index]
 
     def _unuse(self, index: int) -> None:
         with self._io_lock:
