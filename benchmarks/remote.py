@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, List
 
 import numpy as np
 
@@ -178,19 +178,27 @@ def write_dataset(local: str, fs: Any, bucket: str, files: int, groups: int, gro
     for f in range(files):
         n = groups * group_rows
         x = rng.standard_normal(n * DIM, dtype=np.float32)
-        table = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x), DIM), "id": pa.array(np.arange(at, at + n))})
+        table = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x), DIM),
+                          "id": pa.array(np.arange(at, at + n))})
         pq.write_table(table, os.path.join(local, f"part-{f:03d}.parquet"), row_group_size=group_rows)
         pq.write_table(table, f"{bucket}/data/part-{f:03d}.parquet", filesystem=fs, row_group_size=group_rows)
         at += n
     return at
 
 
-def rate(batches: Callable[[], Iterator[int]], expected: int) -> float:
+def rate(batches: Callable[[], Iterator[int]], expected: int) -> Dict[str, float]:
+    """rows/s from the start (creation, listing and footers included), the seconds to the first
+    batch, and rows/s from the first batch on (streaming)."""
     t0 = time.perf_counter()
-    rows = sum(batches())
-    seconds = time.perf_counter() - t0
+    rows, first = 0, None
+    for n in batches():
+        if first is None:
+            first = time.perf_counter()
+        rows += n
+    end = time.perf_counter()
     assert rows == expected, (rows, expected)
-    return rows / seconds
+    assert first is not None
+    return {"rows_per_s": rows / (end - t0), "first_batch_s": first - t0, "streaming_rows_per_s": rows / (end - first)}
 
 
 def feeder_rows(make_source: Callable[[], Any], threads: int = 2) -> Iterator[int]:
@@ -265,12 +273,41 @@ def predict_killed(server: Server, fs: Any, bucket: str, workdir: str, rows: int
             "resume_rows_per_s": int(computed) / float(seconds)}
 
 
+def ratios_of(r: Dict[str, Dict[str, float]], tag: str) -> Dict[str, float]:
+    """The ratios of one round (``r``: contender -> rate's figures)."""
+    total = {k: v["rows_per_s"] for k, v in r.items()}
+    streaming = {k: v["streaming_rows_per_s"] for k, v in r.items()}
+    s3, wrapped = f"feeder, S3 {tag}", f"local disk {tag} a request (filesystem wrapper)"
+    out = {
+        "feeder S3 +latency / feeder local disk": total[s3] / total["feeder, local disk"],
+        "feeder S3 +latency / feeder S3 no added latency": total[s3] / total["feeder, S3 without added latency"],
+        "feeder S3 +latency / readahead=0": total[s3] / total[f"feeder, S3 {tag}, readahead=0"],
+        "feeder S3 +latency / pyarrow.dataset S3 +latency": total[s3] / total[f"pyarrow.dataset, S3 {tag}"],
+        "feeder wrapper +latency / feeder local disk": total[f"feeder, {wrapped}"] / total["feeder, local disk"],
+        "feeder wrapper +latency / feeder wrapper no added latency":
+            total[f"feeder, {wrapped}"] / total["feeder, local disk through the wrapper, no added latency"],
+        "feeder wrapper +latency / pyarrow.dataset wrapper +latency":
+            total[f"feeder, {wrapped}"] / total[f"pyarrow.dataset, {wrapped}"],
+        "streaming: feeder S3 +latency / feeder local disk": streaming[s3] / streaming["feeder, local disk"],
+        "streaming: feeder S3 +latency / feeder S3 no added latency":
+            streaming[s3] / streaming["feeder, S3 without added latency"],
+        "streaming: feeder wrapper +latency / feeder local disk":
+            streaming[f"feeder, {wrapped}"] / streaming["feeder, local disk"],
+    }
+    if f"Ray Data read_parquet, S3 {tag}" in total:
+        out["feeder S3 +latency / Ray Data S3 +latency"] = total[s3] / total[f"Ray Data read_parquet, S3 {tag}"]
+        out["feeder wrapper +latency / Ray Data wrapper +latency"] = (
+            total[f"feeder, {wrapped}"] / total[f"Ray Data read_parquet, {wrapped}"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--latency-ms", type=float, default=50.0)
     p.add_argument("--files", type=int, default=16)
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--group-rows", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=2, help="every contender this many times, side by side")
     p.add_argument("--no-ray", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -278,8 +315,9 @@ def main() -> None:
     from feeder.sources import parquet as parquet_module
 
     latency = args.latency_ms / 1000.0
+    tag = f"+{args.latency_ms:.0f} ms"
     server = Server(0.0)
-    results: Dict[str, float] = {}
+    rounds: List[Dict[str, Dict[str, float]]] = []
     try:
         fs = server.filesystem()
         bucket = "bench"
@@ -289,73 +327,68 @@ def main() -> None:
             uri = f"s3://{bucket}/data"
             cols = {"x": "x", "id": "id"}
             print(f"{rows} rows in {args.files * args.groups} row groups of {args.group_rows} rows", flush=True)
-
-            def run(name: str, fn: Callable[[], Iterator[int]]) -> None:
-                results[name] = rate(fn, rows)
-                print(f"{name:64s} {results[name]:12,.0f} rows/s", flush=True)
-
-            run("feeder, local disk", lambda: feeder_rows(lambda: ParquetSource(local, columns=cols)))
-            run("feeder, S3 without added latency", lambda: feeder_rows(
-                lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
-            server.delay(latency)
-            tag = f"+{args.latency_ms:.0f} ms"
-            run(f"feeder, S3 {tag}", lambda: feeder_rows(lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
-            run(f"feeder, S3 {tag}, readahead=0", lambda: feeder_rows(
-                lambda: ParquetSource(uri, columns=cols, filesystem=fs, readahead=0)))
-            run(f"feeder, S3 {tag}, readahead=0, 16 fetcher threads", lambda: feeder_rows(
-                lambda: ParquetSource(uri, columns=cols, filesystem=fs, readahead=0), threads=16))
-            parquet_module.PRE_BUFFER = False
-            try:
-                run(f"feeder, S3 {tag}, no pre-buffering", lambda: feeder_rows(
-                    lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
-            finally:
-                parquet_module.PRE_BUFFER = True
-            run(f"pyarrow.dataset, S3 {tag}", lambda: dataset_rows(f"{bucket}/data", fs))
-            slow = slow_local_filesystem(latency)
-            run("feeder, local disk through the wrapper, no added latency", lambda: feeder_rows(
-                lambda: ParquetSource(local, columns=cols, filesystem=slow_local_filesystem(0.0))))
-            run(f"feeder, local disk {tag} a request (filesystem wrapper)", lambda: feeder_rows(
-                lambda: ParquetSource(local, columns=cols, filesystem=slow)))
-            run(f"pyarrow.dataset, local disk {tag} a request (filesystem wrapper)", lambda: dataset_rows(local, slow))
             if not args.no_ray:
                 import ray
                 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-                try:
-                    ray.data.DataContext.get_current().enable_progress_bars = False
-                    run(f"Ray Data read_parquet, S3 {tag}", lambda: ray_rows(f"{bucket}/data", fs))
-                    run(f"Ray Data read_parquet, local disk {tag} a request (filesystem wrapper)",
-                        lambda: ray_rows(local, slow))
-                finally:
+                ray.data.DataContext.get_current().enable_progress_bars = False
+            slow = slow_local_filesystem(latency)
+            try:
+                for k in range(args.rounds):
+                    got: Dict[str, Dict[str, float]] = {}
+                    rounds.append(got)
+
+                    def run(name: str, fn: Callable[[], Iterator[int]], got: Dict[str, Dict[str, float]] = got,
+                            k: int = k) -> None:
+                        got[name] = rate(fn, rows)
+                        print(f"round {k + 1}: {name:70s} {got[name]['rows_per_s']:12,.0f} rows/s, first batch "
+                              f"{got[name]['first_batch_s']:5.2f} s, then {got[name]['streaming_rows_per_s']:12,.0f}"
+                              f" rows/s", flush=True)
+
+                    server.delay(0.0)
+                    run("feeder, local disk", lambda: feeder_rows(lambda: ParquetSource(local, columns=cols)))
+                    run("feeder, S3 without added latency", lambda: feeder_rows(
+                        lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
+                    run("feeder, local disk through the wrapper, no added latency", lambda: feeder_rows(
+                        lambda: ParquetSource(local, columns=cols, filesystem=slow_local_filesystem(0.0))))
+                    server.delay(latency)
+                    run(f"feeder, S3 {tag}", lambda: feeder_rows(
+                        lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
+                    run(f"pyarrow.dataset, S3 {tag}", lambda: dataset_rows(f"{bucket}/data", fs))
+                    run(f"feeder, S3 {tag}, readahead=0", lambda: feeder_rows(
+                        lambda: ParquetSource(uri, columns=cols, filesystem=fs, readahead=0)))
+                    run(f"feeder, S3 {tag}, readahead=0, 16 fetcher threads", lambda: feeder_rows(
+                        lambda: ParquetSource(uri, columns=cols, filesystem=fs, readahead=0), threads=16))
+                    parquet_module.PRE_BUFFER = False
+                    try:
+                        run(f"feeder, S3 {tag}, no pre-buffering", lambda: feeder_rows(
+                            lambda: ParquetSource(uri, columns=cols, filesystem=fs)))
+                    finally:
+                        parquet_module.PRE_BUFFER = True
+                    run(f"feeder, local disk {tag} a request (filesystem wrapper)", lambda: feeder_rows(
+                        lambda: ParquetSource(local, columns=cols, filesystem=slow)))
+                    run(f"pyarrow.dataset, local disk {tag} a request (filesystem wrapper)",
+                        lambda: dataset_rows(local, slow))
+                    if not args.no_ray:
+                        run(f"Ray Data read_parquet, S3 {tag}", lambda: ray_rows(f"{bucket}/data", fs))
+                        run(f"Ray Data read_parquet, local disk {tag} a request (filesystem wrapper)",
+                            lambda: ray_rows(local, slow))
+            finally:
+                if not args.no_ray:
                     ray.shutdown()
             killed = predict_killed(server, fs, bucket, workdir, rows, args.group_rows)
             print("predict s3 -> s3, killed and resumed:", killed, flush=True)
     finally:
         server.close()
-    s3 = results[f"feeder, S3 {tag}"]
-    wrapped = f"local disk {tag} a request (filesystem wrapper)"
-    ratios = {
-        "feeder S3 +latency / feeder local disk": s3 / results["feeder, local disk"],
-        "feeder S3 +latency / feeder S3 no added latency": s3 / results["feeder, S3 without added latency"],
-        "feeder S3 +latency / readahead=0": s3 / results[f"feeder, S3 {tag}, readahead=0"],
-        "feeder S3 +latency / pyarrow.dataset S3 +latency": s3 / results[f"pyarrow.dataset, S3 {tag}"],
-        "feeder wrapper +latency / feeder local disk": results[f"feeder, {wrapped}"] / results["feeder, local disk"],
-        "feeder wrapper +latency / feeder wrapper no added latency":
-            results[f"feeder, {wrapped}"] / results["feeder, local disk through the wrapper, no added latency"],
-        "feeder wrapper +latency / pyarrow.dataset wrapper +latency":
-            results[f"feeder, {wrapped}"] / results[f"pyarrow.dataset, {wrapped}"],
-    }
-    if f"Ray Data read_parquet, S3 {tag}" in results:
-        ratios["feeder S3 +latency / Ray Data S3 +latency"] = s3 / results[f"Ray Data read_parquet, S3 {tag}"]
-        ratios["feeder wrapper +latency / Ray Data wrapper +latency"] = (
-            results[f"feeder, {wrapped}"] / results[f"Ray Data read_parquet, {wrapped}"])
+    per_round = [ratios_of(r, tag) for r in rounds]
+    ratios = {k: [round(r[k], 3) for r in per_round] for k in per_round[0]}
     for k, v in ratios.items():
-        print(f"{k:64s} {v:8.2f}x")
+        print(f"{k:70s} " + "  ".join(f"{x:6.2f}x" for x in v))
     if args.json:
         out = {"date": datetime.date.today().isoformat(),
                "command": "python benchmarks/remote.py " + " ".join(sys.argv[1:]),
-               "machine": f"{os.cpu_count()} cores (shared)", "latency_ms": args.latency_ms,
+               "machine": f"{os.cpu_count()} cores, shared with other jobs", "latency_ms": args.latency_ms,
                "rows": rows, "row_groups": args.files * args.groups, "group_rows": args.group_rows,
-               "rows_per_s": results, "ratios": ratios, "predict_killed_and_resumed": killed}
+               "rounds": rounds, "ratios_per_round": ratios, "predict_killed_and_resumed": killed}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")

@@ -465,8 +465,8 @@ def resolve(target: Any, filesystem: Any = None) -> Tuple[Store, str]:
         return store, target
     if scheme is None:
         return LocalStore(), target
-    if scheme == "file":
-        return LocalStore(), "/" + _strip_query(rest).lstrip("/") if not rest.startswith("/") else _strip_query(rest)
+    if scheme == "file":  # file:///abs/path (file://host/... is not a local path: read as /host/...)
+        return LocalStore(), rest if rest.startswith("/") else "/" + rest
     if scheme in ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"):
         try:
             pafs = _pafs()

@@ -112,7 +112,8 @@ class ParquetSource(ShardedSource):
     its bytes, read whole when the source is created (and again when a file's size or version
     moved), for data copied between machines, whose time stamps do not survive. A file that
     changes after the source was created is a ValueError at ``start()`` or an
-    InputValidationError at the first read of it, naming the file. A file that is not Parquet
+    InputValidationError at the first read of it, naming the file (an object in a store: when a
+    worker first opens it, with the one request that opens it). A file that is not Parquet
     (or is truncated) is a ValueError naming it at creation, and an InputValidationError naming
     it and the row group at a read.
 
@@ -453,35 +454,22 @@ class ParquetSource(ShardedSource):
 
     # ---- the binding protocol ----
     def feeder_bind(self, binding: SourceBinding) -> None:
-        """At ``start()``: ValueError naming a file that changed since the source was created
-        (objects in a store are checked concurrently); then as :meth:`ShardedSource.feeder_bind`.
+        """At ``start()``: ValueError naming a local file that changed since the source was
+        created; then as :meth:`ShardedSource.feeder_bind`. Objects in a store are checked when
+        a worker opens them (their size and version come with the handle, one request), an
+        InputValidationError naming the object: checking them all here would cost a request per
+        object at every start.
 
         Args:
             binding: What feeder tells the source (see :class:`SourceBinding`).
         """
         self._release_io()
         self._stop = threading.Event()
-        workers = FOOTER_THREADS if self.remote else 1
-        for changed in map_bounded(self._check, list(range(len(self.files))), workers, "feeder:parquet:check"):
+        for index in range(len(self.files)):
+            changed = self._changed(index) if self._stores[index].local else None
             if changed is not None:
-                self._release_io()
                 raise ValueError(f"source {binding.source_name!r}: {changed}")
         super().feeder_bind(binding)
-
-    def _check(self, index: int) -> Optional[str]:
-        """At bind: how file ``index`` changed, or None (an object: one request for its size and
-        version). Its handle is not kept: reads open it again and check it then, so that an
-        object replaced between start() and its first read is found too."""
-        if self._stores[index].local:
-            return self._changed(index)
-        try:
-            handle, _ = self._open_object(index, None, retry=True)
-        except InputValidationError as e:
-            return str(e)
-        except OSError as e:
-            return f"Parquet file {self.files[index][0]!r} cannot be read any more ({type(e).__name__}: {e})"
-        handle.close()
-        return None
 
     def feeder_describe(self) -> str:
         """A phrase for FeedTimeout and ``diagnose()`` messages: rows, row groups, files, epochs."""
@@ -639,14 +627,13 @@ class ParquetSource(ShardedSource):
             h.close()
         return handle, footer
 
-    def _open_object(self, index: int, worker: Optional[int], retry: bool = False) -> Tuple[Any, Any]:
+    def _open_object(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
         """(an open handle, the footer) of object ``index``, whose size and version must be what
-        they were (InputValidationError naming how it changed, or that it is gone). ``retry``:
-        retry a transient failure here (the reads retry it themselves)."""
+        they were (InputValidationError naming how it changed, or that it is gone). A transient
+        failure is raised as it came (the read that opens it retries)."""
         store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
-        opener = functools.partial(store.open_input, path)  # type: ignore[attr-defined]
         try:
-            handle = self._io(opener, f"opening {shown!r}", worker) if retry else opener()
+            handle = store.open_input(path)  # type: ignore[attr-defined]
         except (FileNotFoundError, PermissionError) as e:  # gone or denied: as a local file's stat says
             raise InputValidationError(f"Parquet file {shown!r} cannot be read any more ({type(e).__name__}: "
                                        f"{e})") from e
