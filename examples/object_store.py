@@ -42,7 +42,11 @@ def start_server(latency_s: float):
     """moto's S3 on 127.0.0.1 (a free port) in this process, answering each request after
     ``latency_s`` seconds. Returns (server, thread, "host:port")."""
     from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
+    from werkzeug.serving import WSGIRequestHandler, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_request(self, *args, **kwargs):  # no line per request on stderr
+            pass
 
     app = DomainDispatcherApplication(create_backend_app)
 
@@ -51,7 +55,7 @@ def start_server(latency_s: float):
             time.sleep(latency_s)
         return app(environ, start_response)
 
-    server = make_server("127.0.0.1", 0, slow, threaded=True)
+    server = make_server("127.0.0.1", 0, slow, threaded=True, request_handler=Quiet)
     thread = threading.Thread(target=server.serve_forever, name="s3-server", daemon=True)
     thread.start()
     host, port = server.server_address[:2]

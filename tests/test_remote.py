@@ -683,3 +683,13 @@ def test_the_command_line_reads_and_writes_s3_with_an_endpoint(s3, tmp_path):
     bad = subprocess.run(cmd[:-3] + ["--s3-endpoint", "127.0.0.1:1", "--no-progress"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "an S3 endpoint is an http:// or https:// URL" in bad.stderr, bad.stderr
+
+
+def test_the_object_store_example_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "object_store.py"), "--rows", "20000"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "read 20,000 rows from s3://example-bucket/table" in done.stdout, done.stdout
+    assert "scored 20,000 rows into 1 part(s)" in done.stdout, done.stdout
+    assert os.listdir(tmp_path) == []
