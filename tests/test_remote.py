@@ -266,8 +266,9 @@ def test_one_request_in_ten_failing_is_survived_by_retries_and_counted(s3, caplo
     assert server.failed >= 5, server.failed
     counts = src.feeder_counters()
     assert counts["source_retries"] >= server.failed - 2 and counts["source_retries_exhausted"] == 0, counts
-    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "retry 1 of 5" in r.getMessage()]
-    assert debug and "SlowDown" in debug[0].getMessage() or "SLOW_DOWN" in debug[0].getMessage()
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "retry 1 of 5" in r.getMessage()]
+    assert debug and all(re.search(r"SLOW_DOWN|SERVICE_UNAVAILABLE|HTTP status 503", m) for m in debug), debug
+    assert any(f"s3://{bucket}/data/" in m and "row group" in m for m in debug), debug  # naming what was read
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "retried" in r.getMessage()]
     assert info and re.search(r"\d+ transient storage failure\(s\) retried", info[-1])
     # per worker: the fetchers' own (and the readahead's on their behalf), not the creation's
@@ -378,6 +379,8 @@ def test_readahead_is_bounded_in_bytes_and_its_threads_are_named_for_the_source(
     finally:
         src.feeder_release()
     assert not readahead_threads()
+    # a fetch still under way after stop() (the coordinator signals, then releases) starts no pool
+    assert len(src(0, 4)[0]) == 10 and not readahead_threads()
     assert n == 100
 
 

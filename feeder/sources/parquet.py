@@ -172,6 +172,7 @@ class ParquetSource(ShardedSource):
         self.columns: Optional[Dict[str, str]] = dict(columns) if columns is not None else None
         self._retry = Retry(attempts=retries)
         self._counts = RetryCounts()
+        self._active = False  # between feeder_bind and feeder_release: a readahead pool may start
         self._reset_io()
         given = _as_list(paths)
         located = [resolve(p, filesystem) for p in given]
@@ -470,6 +471,7 @@ class ParquetSource(ShardedSource):
             if changed is not None:
                 raise ValueError(f"source {binding.source_name!r}: {changed}")
         super().feeder_bind(binding)
+        self._active = True
 
     def feeder_describe(self) -> str:
         """A phrase for FeedTimeout and ``diagnose()`` messages: rows, row groups, files, epochs."""
@@ -488,6 +490,7 @@ class ParquetSource(ShardedSource):
 
     def _release_io(self) -> None:
         with self._io_lock:
+            self._active = False  # a fetch still under way after stop() reads without a pool
             pool, self._pool = self._pool, None
             handles = [h for h, _ in self._open.values()]
             self._open.clear()
@@ -677,6 +680,8 @@ class ParquetSource(ShardedSource):
         with self._io_lock:
             pool = self._pool
             if pool is None:
+                if not self._active:  # released (stopped): no pool that nobody would close
+                    return super()._take(worker_id)
                 pool = self._pool = self._start_pool(binding.source_name if binding is not None else "parquet")
             queue = self._ahead.setdefault(key, deque())
             if not queue:
