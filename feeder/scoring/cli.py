@@ -4,10 +4,14 @@ Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
                    [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--identity content]
-                   [--shard env|RANK/WORLD] [--provider cpu|cuda|cuda:N] [--overwrite] [--no-progress]
+                   [--shard env|RANK/WORLD] [--provider cpu|cuda|cuda:N] [--s3-endpoint URL] [--overwrite]
+                   [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
-inputs plus the kept ones (columns named like them). Prints one line: rows written, rows computed,
+inputs plus the kept ones (columns named like them). DATA and OUTPUT are local paths or URIs
+(``s3://bucket/prefix``, ``gs://...``, ``file://...``, fsspec URIs); ``--s3-endpoint URL`` sends
+``s3://`` ones to an S3-compatible server (MinIO, a local test server), as ``AWS_ENDPOINT_URL``
+does; credentials come from the environment. Prints one line: rows written, rows computed,
 seconds, rows/s. Exit status 0 on success; 2 for a refusal (bad arguments, a model or data file
 that cannot be read, an output that is refused or cannot be written, a full disk), one line on
 stderr in the command line's terms; 1 for a failure while running (the output stays resumable);
@@ -45,9 +49,10 @@ def parser() -> argparse.ArgumentParser:
                                             "exactly once; run it again after a crash to continue. The output is "
                                             "complete when it holds _SUCCESS.")
     p.add_argument("model", help="ONNX model file")
-    p.add_argument("data", help="Parquet file or folder (columns named like the model's inputs and the kept ones)")
-    p.add_argument("output", help="output folder (part-*.parquet files, the state, _SUCCESS once complete); "
-                                  "not inside DATA")
+    p.add_argument("data", help="Parquet file or folder, a local path or a URI (s3://bucket/prefix, gs://..., "
+                                "file://...); columns named like the model's inputs and the kept ones")
+    p.add_argument("output", help="output folder, a local path or a URI (part-*.parquet files, the state or, in an "
+                                  "object store, _manifest.json, and _SUCCESS once complete); not inside DATA")
     p.add_argument("--batch-size", type=_count(1), default=256, help="rows per model run (default 256)")
     p.add_argument("--outputs", action="append", help="model outputs to write, comma-separated (default: all)")
     p.add_argument("--keep", action="append", help="input columns to write beside the outputs, comma-separated")
@@ -69,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
                    help="read this rank's part of the data only: 'env' (RANK and WORLD_SIZE from the environment, "
                         "as torchrun sets them) or RANK/WORLD; each rank writes OUTPUT with {rank} and {world} filled "
                         "in, or OUTPUT/rank-RRRRR-of-WWWWW")
+    p.add_argument("--s3-endpoint", metavar="URL", default=None,
+                   help="the S3-compatible server of s3:// DATA and OUTPUT, such as http://127.0.0.1:9000 (default: "
+                        "AWS_ENDPOINT_URL, else AWS itself); credentials from the environment (AWS_ACCESS_KEY_ID, "
+                        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
     p.add_argument("--overwrite", action="store_true", help="start afresh on an output of another model or data")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: one when stderr is a "
                                                              "terminal)")
@@ -91,6 +100,7 @@ _CLI_TERMS: List[Tuple[str, Union[str, Callable[["re.Match[str]"], str]]]] = [
     (r"\breplicas=(\d+)", r"--replicas \1"),
     (r"\bcast=True", "--cast"),
     (r"\bidentity=['\"](\w+)['\"]", r"--identity \1"),
+    (r",? or pass filesystem=", ""),  # a Python caller's way out; the command line has --s3-endpoint for S3
     (r"\b(?:keep|outputs)=(\[[^\]]*\])", lambda m: f"--{m.group(0).split('=')[0]} {_names(m)}"),
     (r"\b(keep|outputs)=", r"--\1"),
     (r"\bfeeder\.predict(?![/\w])", "feeder predict"),
@@ -147,11 +157,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     outputs = _split(args.outputs) or None
     try:
-        source = ParquetSource(args.data, identity=args.identity, shard=_shard(args.shard))
+        data_fs = output_fs = None
+        if args.s3_endpoint is not None:
+            from feeder.storage import s3_filesystem, split_uri
+
+            s3 = s3_filesystem(args.s3_endpoint)
+            data_fs = s3 if split_uri(args.data)[0] == "s3" else None
+            output_fs = s3 if split_uri(args.output)[0] == "s3" else None
+        source = ParquetSource(args.data, identity=args.identity, filesystem=data_fs, shard=_shard(args.shard))
         result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
                                 keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,
-                                cast=args.cast, overwrite=args.overwrite,
+                                cast=args.cast, overwrite=args.overwrite, filesystem=output_fs,
                                 progress=False if args.no_progress else None, providers=args.provider)
     except KeyboardInterrupt:
         print("feeder predict: interrupted; run the same command again to continue", file=sys.stderr)

@@ -37,7 +37,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 try:
     import fcntl
@@ -97,12 +97,38 @@ class Listing:
 class OutputDir:
     """One output directory, opened (created if needed) and locked for one predict call."""
 
+    state_name = STATE_NAME
+    local = True
+
     def __init__(self, path: "str | os.PathLike[str]"):
         self.path = os.path.abspath(os.fspath(path))
         self._lock_fd: Optional[int] = None
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    # ---- names (the same methods as feeder.scoring.storeout.StoreOutput) -------------------------
+    def part_name(self, index: int) -> str:
+        return part_name(index)
+
+    def is_part(self, name: str) -> bool:
+        return bool(PART_RE.match(name))
+
+    def part_index(self, name: str) -> int:
+        m = PART_RE.match(name)
+        assert m is not None
+        return int(m.group(1))
+
+    def size(self, name: str) -> Optional[int]:
+        path = self.join(name)
+        return os.path.getsize(path) if os.path.isfile(path) else None
+
+    def part_target(self, index: int) -> Tuple[str, Any]:
+        """(where a ParquetWriter writes part ``index``: its temporary name, no filesystem)."""
+        return self.join(tmp_part_name(index)), None
+
+    def discard_part(self, index: int) -> None:
+        self.remove([tmp_part_name(index)])
 
     # ---- opening and locking ------------------------------------------------------------------
     def open(self) -> None:

@@ -7,7 +7,8 @@ A full buffer goes to the writer thread, which turns it into Arrow arrays withou
 columns; an n-d column becomes nested fixed-size lists), appends it as one row group to the part
 file being written, and hands the buffer back. When a part has ``rows_per_file`` rows (or the data
 ended), the writer closes it and commits it (:class:`~feeder.scoring.outputdir.OutputDir`: fsync, rename,
-fsync the directory), then calls ``on_commit`` with the part and the row keys it holds, which
+fsync the directory; in a store, :class:`~feeder.scoring.storeout.StoreOutput`: its upload under a
+unique name completes), then calls ``on_commit`` with the part and the row keys it holds, which
 records the new state. So a part's keys reach the state only once the part is durable.
 
 A few buffers rotate (``BUFFERS``): replicas fill one while the writer encodes another, and a
@@ -20,12 +21,15 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..errors import FeederError
-from .outputdir import OutputDir, part_name, tmp_part_name
+from .outputdir import OutputDir
+from .storeout import StoreOutput
+
+Output = Union[OutputDir, StoreOutput]
 
 log = logging.getLogger("feeder")
 
@@ -84,7 +88,7 @@ class PartWriter:
     False only for benchmarks measuring its cost. ``keyed``: ``add`` gets row keys.
     """
 
-    def __init__(self, out: OutputDir, names: Sequence[str], *, rows_per_file: int, first_part: int,
+    def __init__(self, out: Output, names: Sequence[str], *, rows_per_file: int, first_part: int,
                  on_commit: OnCommit, keyed: bool, durable: bool = True, thread_name: str = "feeder:predict:writer"):
         from ..sources.parquet import import_pyarrow  # the caller checked that it is installed
 
@@ -284,7 +288,8 @@ class PartWriter:
                 self._schema = table.schema
             dictionary = [lay.name for lay in layouts if lay.pieces]  # ids and labels compress; floats do not
             self._open_part = rg.part
-            self._writer = pa.parquet.ParquetWriter(self.out.join(tmp_part_name(rg.part)), self._schema,
+            where, filesystem = self.out.part_target(rg.part)
+            self._writer = pa.parquet.ParquetWriter(where, self._schema, filesystem=filesystem,
                                                     compression="snappy", use_dictionary=dictionary)
             self._part_rows, self._part_keys = 0, []
         self._writer.write_table(table, row_group_size=max(1, rg.fill))
@@ -314,7 +319,7 @@ class PartWriter:
         self._open_part = None
         keys = np.concatenate(self._part_keys) if self._part_keys else (np.zeros(0, np.int64) if self.keyed else None)
         self._part_keys = []
-        self.on_commit(CommittedPart(part_name(index), rows, nbytes), keys, final)
+        self.on_commit(CommittedPart(self.out.part_name(index), rows, nbytes), keys, final)
         self.rows_committed += rows
 
     def _discard_open_part(self) -> None:
@@ -326,7 +331,10 @@ class PartWriter:
                 pass
             self._writer = None
         if self._open_part is not None:
-            self.out.remove([tmp_part_name(self._open_part)])
+            try:
+                self.out.discard_part(self._open_part)
+            except Exception:  # an object store that failed: the next call's recovery deletes it
+                log.warning("feeder.predict: the part being written could not be deleted", exc_info=True)
             self._open_part = None
 
 

@@ -52,8 +52,9 @@ from ..runtime import (
 )
 from ..sources.base import ROW_KEY, ShardedSource, definition_differences, jsonish, ranges_of
 from .modelid import model_identity
-from .outputdir import PART_RE, STATE_NAME, OutputDir
-from .partwriter import CommittedPart, PartWriter
+from .outputdir import STATE_NAME, OutputDir
+from .partwriter import CommittedPart, Output, PartWriter
+from .storeout import StoreOutput
 
 log = logging.getLogger("feeder")
 
@@ -99,6 +100,7 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             progress: Optional[bool] = None,
             cast: bool = False,
             providers: Any = None,
+            filesystem: Any = None,
             _durable: bool = True) -> PredictResult:
     """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
     ``output``, every row exactly once even when a call is killed and called again.
@@ -142,6 +144,10 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             ``"cuda:N"`` or a list as ``onnxruntime.InferenceSession`` takes it; None: the CUDA
             provider where the installed onnxruntime has it, else the CPU. A provider that is not
             installed is a ValueError naming those that are, before anything is written.
+        filesystem: The filesystem ``output`` is on: a ``pyarrow.fs.FileSystem`` or an fsspec
+            filesystem (``output`` is then a path in it, for S3 ``bucket/prefix``); None: from
+            ``output`` itself (a local path, or a URI: ``s3://``, ``gs://``, an fsspec one). In an
+            object store the parts are committed by replacing a manifest, ``_manifest.json``.
 
     Returns:
         A :class:`PredictResult`: the rows in the output, those this call computed, the call's
@@ -173,8 +179,8 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     fingerprint = {**model_signature(session), **identity}
     options = {"outputs": plan.outputs, "keep": plan.keep}
     output = rank_output(output, source)
-    _refuse_output_in_input(source, output)
-    out = OutputDir(output)
+    out = _output(output, filesystem)
+    _refuse_output_in_input(source, out)
     out.open()
     try:
         job = _Job(out, plan, source, fingerprint, options, durable=_durable)
@@ -364,50 +370,74 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
         validate(tuple(feed_names), None)
 
 
-def rank_output(output: PathLike, source: Any) -> str:
+def rank_output(output: Any, source: Any) -> Any:
     """The output folder of this call: ``output`` itself, or for a source sharded between ranks
     (``shard=``), the rank's own: ``output`` with ``{rank}`` and ``{world}`` filled in, or else
     ``output/rank-RRRRR-of-WWWWW`` (so that ranks never write one folder, and the parent folder
     reads as one dataset of every rank's parts)."""
-    path = os.fspath(output)
     shard = getattr(source, "shard", None)
     if not isinstance(source, ShardedSource) or shard is None or shard[1] < 2:
-        return path
+        return output
+    path = os.fspath(output)
     rank, world = shard
     if "{rank}" in path:
         return path.replace("{rank}", str(rank)).replace("{world}", str(world))
-    if os.path.exists(os.path.join(path, STATE_NAME)):
+    if "://" not in path and os.path.exists(os.path.join(path, STATE_NAME)):  # (a local output, that is)
         raise ValueError(f"output {path!r} is itself an output of feeder.predict, and this call's source is rank "
                          f"{rank} of {world}, whose output would go inside it: pass the folder that holds the ranks' "
                          f"outputs, or put {{rank}} in the output path")
-    return os.path.join(path, f"rank-{rank:05d}-of-{world:05d}")
+    return path.rstrip("/") + f"/rank-{rank:05d}-of-{world:05d}"
 
 
-def _refuse_output_in_input(source: Any, output: PathLike) -> None:
+def _output(output: Any, filesystem: Any) -> Output:
+    """The output folder: a local directory (``OutputDir``: temporary names, fsync and rename), or a
+    prefix in a store (``StoreOutput``: unique part names, committed by a manifest)."""
+    from ..storage import resolve
+
+    store, path = resolve(output, filesystem)
+    if store.local:
+        return OutputDir(path)
+    return StoreOutput(store, path)  # type: ignore[arg-type]
+
+
+def _refuse_output_in_input(source: Any, out: Output) -> None:
     """ValueError when the output folder is inside (or is) a folder a ``ParquetSource`` reads, or
     holds one of its files: the output's parts are Parquet files, so the next call's source would
-    read them as input (and this output would hold files that are not ours)."""
+    read them as input (and this output would hold files that are not ours). Objects are compared
+    by their URIs."""
     from ..sources.parquet import ParquetSource
 
     if not isinstance(source, ParquetSource):
         return
-    out = os.path.realpath(os.fspath(output))
+    local = isinstance(out, OutputDir)
+    outside = os.path.realpath(out.path) if local else out.path.rstrip("/")
+    sep = os.sep if local else "/"
     for root in source.roots:
-        real = os.path.realpath(root)
-        if os.path.isdir(real) and (out == real or out.startswith(real + os.sep)):
-            raise ValueError(f"output {os.fspath(output)!r} is inside the input folder {root!r}: the next call would "
+        if _is_uri(root) == local:
+            continue
+        real = os.path.realpath(root) if local else root.rstrip("/")
+        if (not local or os.path.isdir(real)) and (outside == real or outside.startswith(real + sep)):
+            raise ValueError(f"output {out.path!r} is inside the input folder {root!r}: the next call would "
                              f"read the output's part files as input; choose an output folder outside it")
     for path, _ in source.files:
-        if os.path.realpath(path).startswith(out + os.sep):
-            raise ValueError(f"input file {path!r} is inside the output folder {os.fspath(output)!r}; choose an output "
+        if _is_uri(path) == local:
+            continue
+        if (os.path.realpath(path) if local else path).startswith(outside + sep):
+            raise ValueError(f"input file {path!r} is inside the output folder {out.path!r}; choose an output "
                              f"folder that holds no input")
+
+
+def _is_uri(path: str) -> bool:
+    from ..storage import split_uri
+
+    return split_uri(path)[0] is not None
 
 
 # ---- the job -----------------------------------------------------------------------------------------
 class _Job:
     """One call's work on one output directory: check and recover it, run, commit."""
 
-    def __init__(self, out: OutputDir, plan: _Plan, source: Any, fingerprint: Dict[str, Any],
+    def __init__(self, out: Output, plan: _Plan, source: Any, fingerprint: Dict[str, Any],
                  options: Dict[str, Any], *, durable: bool):
         self.out = out
         self.plan = plan
@@ -433,8 +463,8 @@ class _Job:
         if not found.state:
             if found.parts:
                 raise ValueError(f"output {self.out.path!r} holds part files ({sorted(found.parts.values())[:3]}) but "
-                                 f"no {STATE_NAME}, so feeder.predict did not write them (it writes its state before "
-                                 f"the first part); use another directory")
+                                 f"no {self.out.state_name}, so feeder.predict did not write them (it writes its "
+                                 f"state before the first part); use another directory")
             return False
         if overwrite:
             return False  # start afresh: run() replaces the state, then removes the old parts
@@ -484,8 +514,9 @@ class _Job:
     def _check_state(self, state: Dict[str, Any]) -> None:
         where = f"output {self.out.path!r}"
         afresh = "pass overwrite=True to start afresh (it removes that output)"
+        state_file = self.out.state_name
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"{where}: {STATE_NAME} has format {state.get('format')!r}, not {STATE_FORMAT!r} (another "
+            raise ValueError(f"{where}: {state_file} has format {state.get('format')!r}, not {STATE_FORMAT!r} (another "
                              f"version of feeder?); {afresh}")
         if not state.get("resumable"):
             raise ValueError(f"{where} was written from a fetch function without row keys, so it cannot be continued "
@@ -497,7 +528,7 @@ class _Job:
         diffs += _differences("option", state.get("options") or {}, self.options)
         src = state.get("source")
         if not isinstance(src, dict) or src.get("format") is None:
-            raise ValueError(f"{where}: {STATE_NAME} holds no source state; {afresh}")
+            raise ValueError(f"{where}: {state_file} holds no source state; {afresh}")
         definition = getattr(self.source, "feeder_definition", None)
         mine = definition() if definition is not None else {}
         diffs += _differences("source", src.get("definition") or {}, mine)
@@ -507,12 +538,11 @@ class _Job:
         parts = state.get("parts")
         if not isinstance(parts, list) or not all(isinstance(p, dict) and {"file", "rows", "bytes"} <= set(p)
                                                   for p in parts):
-            raise ValueError(f"{where}: {STATE_NAME} does not list its parts; {afresh}")
+            raise ValueError(f"{where}: {state_file} does not list its parts; {afresh}")
         for p in parts:
-            if not isinstance(p["file"], str) or not PART_RE.match(p["file"]):
-                raise ValueError(f"{where}: {STATE_NAME} lists {p['file']!r}, which is not a part file; {afresh}")
-            path = self.out.join(p["file"])
-            size = os.path.getsize(path) if os.path.isfile(path) else None
+            if not isinstance(p["file"], str) or not self.out.is_part(p["file"]):
+                raise ValueError(f"{where}: {state_file} lists {p['file']!r}, which is not a part file; {afresh}")
+            size = self.out.size(p["file"])
             if size != p["bytes"]:
                 got = "missing" if size is None else f"{size} bytes, not {p['bytes']}"
                 raise ValueError(f"{where} is damaged: its committed part {p['file']} is {got}; {afresh}")
@@ -544,7 +574,7 @@ class _Job:
             if removed:
                 log.info("feeder.predict: %s: removed %d file(s) that no commit covers: %s", self.out.path,
                          len(removed), removed[:5])
-            first = 1 + max((_part_index(p["file"]) for p in self.parts), default=-1)
+            first = 1 + max((self.out.part_index(p["file"]) for p in self.parts), default=-1)
             writer = PartWriter(self.out, plan.columns, rows_per_file=rows_per_file, first_part=first,
                                 on_commit=self._on_commit, keyed=plan.keyed, durable=self.durable)
         except BaseException:
@@ -592,10 +622,6 @@ class _Job:
         return {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
                 "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
                 "source": src}
-
-
-def _part_index(name: str) -> int:
-    return int(name[len("part-"):-len(".parquet")])
 
 
 def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any]) -> List[str]:
