@@ -53,6 +53,7 @@ import numpy as np
 
 from ..errors import InputValidationError
 from ..rebatcher import take_rows
+from ..sources.base import SKIP
 from ..validation import ChunkValidator
 from .sending import Sendable
 from .shm import (
@@ -121,8 +122,11 @@ class _Child:
         self.cpu0 = time.thread_time()
         self.cpu_s = 0.0
         self.cpu_due = 0.0
-        # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s
+        # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s,
+        # and the fetch_fun's own: its feeder_counters() and the row keys it filtered since the last message
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
+        self.counters_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
+        self.filtered_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
         self.fetch_s = 0.0
         self.main_ident = threading.get_ident()
         # Rows held for coalescing. The main thread owns them except inside fetch_fun, where the
@@ -162,8 +166,13 @@ class _Child:
             # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message
             self.cpu_due = now + CPU_SAMPLE_S
             self.cpu_s = time.thread_time() - self.cpu0
+        counters = keys = None
+        if self.counters_of is not None:
+            counters = self.counters_of((self.worker_id,))
+        if self.filtered_of is not None and threading.get_ident() == self.main_ident:
+            keys = self.filtered_of((self.worker_id,))  # taken by the main thread only, which filters
         return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
-                self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since)
+                self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since, counters, keys)
 
     def send(self, *msg: Any, fds: Tuple[int, ...] = ()) -> None:
         self.chan.send(msg + (self.stats(),), fds)
@@ -436,6 +445,8 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
         child.send("error", *_describe_exception(e), True, where)
         return
     del functions
+    child.counters_of = getattr(fetch_fun, "feeder_counters", None)
+    child.filtered_of = getattr(fetch_fun, "feeder_filtered_keys", None)
     try:
         _loop(child, fetch_fun, validator, coalesce)
     except BaseException as e:  # noqa: B902 - a bug here must reach the parent, not vanish
@@ -566,6 +577,10 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             if raw is None:
                 child.none_chunks += 1
                 child.send("none")
+                continue
+            if raw is SKIP:  # nothing, on purpose; the parent counts the turn of an ordered source (no coalescing)
+                if not coalesce:
+                    child.send("skip")
                 continue
             try:
                 arrays, rows = check(raw, wid)
