@@ -363,7 +363,12 @@ class ChunkQueue:
 
     def record_filtered(self, rows: int, keys: Optional[np.ndarray] = None) -> None:
         """Rows the source dropped on purpose (``filter``), with their row keys when it has them:
-        the keys go to the key ledger as filtered (see ``feeder.rowkeys``)."""
+        the keys go to the key ledger as filtered (see ``feeder.rowkeys``).
+
+        Args:
+            rows: How many rows were dropped.
+            keys: Their row keys (int64), or None for a source without row keys.
+        """
         ledger = self.row_keys
         if keys is not None and ledger is not None:
             ledger.record_filtered(keys)  # before taking this queue's lock: never both at once

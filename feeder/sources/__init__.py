@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import ROW_KEY, ShardedSource, SourceBinding
+from .base import ROW_KEY, SKIP, ShardedSource, SourceBinding
 
-_LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray"}
+_LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray",
+         "TransformedSource": ".transform"}
 
-__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "ShardedSource", "SourceBinding"]
+__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "SKIP", "ShardedSource", "SourceBinding",
+           "TransformedSource"]
 
 
 def __getattr__(name: str) -> Any:

@@ -38,7 +38,8 @@ not feed are dropped; a name the registration feeds that the steps do not make i
 from __future__ import annotations
 
 import dataclasses
-import time
+import operator
+from time import perf_counter
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -48,6 +49,19 @@ from .base import ROW_KEY, SKIP, FilteredSink, SourceBinding, Transformable, def
 
 MAP, FILTER = "map", "filter"
 Step = Tuple[str, Callable[[Dict[str, np.ndarray]], Any]]
+_BOOL = np.dtype(np.bool_)
+# What a call needs, set at bind: (columns the steps see, outputs -> list, keyed, (is_map, fn) per step)
+Plan = Tuple[List[str], Callable[[Dict[str, np.ndarray]], List[np.ndarray]], bool,
+             Tuple[Tuple[bool, Callable[[Dict[str, np.ndarray]], Any]], ...]]
+
+
+def _taker(outputs: Sequence[str]) -> Callable[[Dict[str, np.ndarray]], List[np.ndarray]]:
+    """``cols -> [cols[name] for name in outputs]``, in one C call (KeyError for a missing name)."""
+    if len(outputs) == 1:
+        (only,) = outputs
+        return lambda cols: [cols[only]]
+    get = operator.itemgetter(*outputs)
+    return lambda cols: list(get(cols))
 
 
 def function_name(fn: Any) -> str:
@@ -95,6 +109,7 @@ class TransformedSource(Transformable):
         self._columns: Optional[List[str]] = None   # what the functions see (the wrapped source's inputs)
         self._outputs: Optional[List[str]] = None   # what the registration feeds, in order
         self._ordered = False
+        self._plan: Optional[Plan] = None
         self._sink: Optional[FilteredSink] = None
         # Per worker id, written only by that worker's thread: [rows filtered, seconds in the
         # steps], and (in a worker process) the keys filtered since the process last reported.
@@ -183,6 +198,8 @@ class TransformedSource(Transformable):
         self._outputs = [n for n in binding.input_names if n != ROW_KEY]
         self._ordered = binding.ordered
         self._sink = binding.on_filtered
+        self._plan = (list(self._columns), _taker(self._outputs), self.feeder_row_keys,
+                      tuple((kind == MAP, fn) for kind, fn in self.steps))
         self._figures, self._pending = {}, {}
         inner = dataclasses.replace(binding, input_names=tuple(self._columns), resume=self._inner_state(binding.resume),
                                     on_filtered=None, specs=(), cast=False)
@@ -248,31 +265,39 @@ class TransformedSource(Transformable):
 
     # ---- fetching ------------------------------------------------------------------------------
     def __call__(self, worker_id: int, batch_size: int) -> Any:
-        columns, outputs = self._columns, self._outputs
-        if columns is None or outputs is None:
+        # The common case (a map that checks out, a filter that keeps every row) in few steps: a
+        # unit of work pays about a microsecond for the wrapper (benchmarks/transform.py --calls).
+        plan = self._plan
+        if plan is None:
             raise RuntimeError("a TransformedSource was called before feeder bound it; pass it as the fetch_fun of "
                                "init_data_input_workers and start the coordinator")
+        columns, take, keyed, steps = plan
         arrays = self.source(worker_id, batch_size)
-        keyed = self.feeder_row_keys
-        keys = arrays[-1] if keyed else None
         cols: Dict[str, np.ndarray] = dict(zip(columns, arrays))
+        keys = arrays[-1] if keyed else None
         n = len(keys) if keys is not None else (len(arrays[0]) if len(arrays) else 0)
         figures = self._figures.get(worker_id)
         if figures is None:
             figures = self._figures[worker_id] = [0.0, 0.0]
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         fn: Any = None
         try:
-            for kind, fn in self.steps:
-                if kind == MAP:
+            for is_map, fn in steps:
+                if is_map:
                     out = fn(cols)
                     if out is not cols:
                         cols = self._mapped(fn, out, n)
+                        continue
+                    for a in cols.values():  # the dict it got, maybe changed in place: still n rows each?
+                        if type(a) is not np.ndarray or not a.ndim or a.shape[0] != n:
+                            self._mapped(fn, out, n)
                     continue
-                mask = self._mask(fn, fn(cols), n)
-                if mask is None:
-                    continue
+                mask = fn(cols)
+                if type(mask) is not np.ndarray or mask.dtype is not _BOOL or mask.shape != (n,):
+                    mask = self._mask(fn, mask, n)
                 kept = int(np.count_nonzero(mask))
+                if kept == n:
+                    continue
                 self._filtered(worker_id, figures, n - kept, None if keys is None else keys[~mask])
                 if kept == 0:
                     return SKIP
@@ -286,10 +311,12 @@ class TransformedSource(Transformable):
                            f".{self._steps_text()}, worker {worker_id})")
             raise
         finally:
-            figures[1] += time.perf_counter() - t0
+            figures[1] += perf_counter() - t0
         try:
-            chunk = [cols[name] for name in outputs]
+            chunk = take(cols)
         except KeyError:
+            assert self._outputs is not None
+            outputs = self._outputs
             missing = [name for name in outputs if name not in cols]
             raise InputValidationError(
                 f"input {missing[0]!r}: the steps .{self._steps_text()} made no {missing[0]!r} "
@@ -313,10 +340,12 @@ class TransformedSource(Transformable):
     def _mapped(fn: Any, out: Any, n: int) -> Dict[str, np.ndarray]:
         """``out`` of map function ``fn`` as ``{name: array}`` of ``n`` rows, or an
         InputValidationError naming the function (and the name at fault)."""
-        if not isinstance(out, Mapping):
+        if type(out) is not dict and not isinstance(out, Mapping):
             raise InputValidationError(f"map function {function_name(fn)} returned {type(out).__name__}; it must "
                                        f"return a dict of name -> numpy array")
         for name, a in out.items():
+            if type(a) is np.ndarray and type(name) is str and a.ndim and a.shape[0] == n:
+                continue  # the common case, checked in one line
             if not isinstance(name, str):
                 raise InputValidationError(f"map function {function_name(fn)} returned the key {name!r}; names are str")
             if not isinstance(a, np.ndarray):
@@ -330,14 +359,12 @@ class TransformedSource(Transformable):
         return out if type(out) is dict else dict(out)
 
     @staticmethod
-    def _mask(pred: Any, got: Any, n: int) -> Optional[np.ndarray]:
-        """The rows to keep, as a bool array of ``n``, or None when every row is kept; an
-        InputValidationError naming the predicate for anything else than a bool mask of ``n``."""
-        mask = got if isinstance(got, np.ndarray) else np.asarray(got)
+    def _mask(pred: Any, got: Any, n: int) -> np.ndarray:
+        """What ``pred`` returned as a bool array of ``n`` (a list of bools is taken too); an
+        InputValidationError naming the predicate for anything else."""
+        mask = np.asarray(got)
         if mask.dtype != np.bool_ or mask.shape != (n,):
             raise InputValidationError(f"filter predicate {function_name(pred)} returned {mask.dtype} values of shape "
                                        f"{mask.shape} for a chunk of {n} rows; it must return a bool mask of shape "
                                        f"({n},) (True: keep the row)")
-        if mask.all():
-            return None
         return mask
