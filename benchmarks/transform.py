@@ -21,7 +21,9 @@ best round of each is the one least disturbed).
 
 Besides, ``--calls`` measures what a fetch call costs (microseconds, best of 5 runs of 20,000
 calls, the source bound by hand and called in this thread), for the source and each contender:
-the difference is what the wrapper adds per unit of work, free of the noise of the pipeline.
+the difference is what the wrapper adds per unit of work, free of the noise of the pipeline. In
+threads, where the whole pipeline runs in the benchmark's process, rows per CPU second of that
+process are compared as well (less disturbed by other work on the machine than rows/s).
 
     python benchmarks/transform.py [--rounds 7] [--mode threads processes] [--json out.json]
 """
@@ -64,6 +66,9 @@ CONTENDERS: Dict[str, Callable[[ArraySource], Any]] = {
 }
 
 
+CPU = [0.0]  # rows per CPU second of this process in the last run (threads: the whole pipeline)
+
+
 def rows_per_s(make: Callable[[ArraySource], Any], arrays: Dict[str, np.ndarray], args: argparse.Namespace,
                mode: str) -> float:
     src = make(ArraySource(arrays, epochs=args.epochs, block_rows=args.block_rows))
@@ -75,10 +80,12 @@ def rows_per_s(make: Callable[[ArraySource], Any], arrays: Dict[str, np.ndarray]
         feed = coord.feed("train")
         feed.next_batch(timeout=60)  # start-up (processes) is not what is measured
         rows = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for batch in feed:
             rows += len(batch["id"])
-        return rows / (time.perf_counter() - t0)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        CPU[0] = rows / cpu if cpu > 0 else 0.0
+        return rows / wall
     finally:
         coord.stop()
 
@@ -127,24 +134,35 @@ def main(argv: List[str] | None = None) -> int:
     names = list(CONTENDERS)
     for mode in args.mode:
         rounds: List[Dict[str, float]] = []
+        cpu_rounds: List[Dict[str, float]] = []
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            got = {name: rows_per_s(CONTENDERS[name], arrays, args, mode) for name in order}
+            got, cpu = {}, {}
+            for name in order:
+                got[name] = rows_per_s(CONTENDERS[name], arrays, args, mode)
+                cpu[name] = CPU[0]
             got = {name: got[name] for name in names}
             rounds.append(got)
+            cpu_rounds.append(cpu)
             print(f"{mode} round {r + 1}: " + ", ".join(f"{k} {v:,.0f}" for k, v in got.items()), file=sys.stderr)
         best_source = max(r["source"] for r in rounds)
         summary = {name: {"median_rows_per_s": statistics.median(r[name] for r in rounds),
                           "median_ratio_to_source": statistics.median(r[name] / r["source"] for r in rounds),
                           "best_ratio_to_source": max(r[name] for r in rounds) / best_source}
                    for name in CONTENDERS}
+        if mode == "threads":  # the whole pipeline runs in this process: rows per CPU second compare too
+            for name in CONTENDERS:
+                summary[name]["median_cpu_ratio_to_source"] = statistics.median(
+                    c[name] / c["source"] for c in cpu_rounds)
         out["modes"][mode] = {"rounds": rounds, "summary": summary}
         print(f"\n{mode}: {args.workers} {mode}, {args.rows:,} rows x {args.epochs} epochs, units of "
               f"{args.block_rows} rows, batch {args.batch_size}, {args.rounds} rounds")
         print("| contender | rows/s (median) | / source (median of rounds) | best / source's best |\n|---|---|---|---|")
         for name, s in summary.items():
             print(f"| {name} | {s['median_rows_per_s']:,.0f} | {s['median_ratio_to_source']:.3f}x | "
-                  f"{s['best_ratio_to_source']:.3f}x |")
+                  f"{s['best_ratio_to_source']:.3f}x |"
+                  + (f" rows per CPU second / source's: {s['median_cpu_ratio_to_source']:.3f}x"
+                     if "median_cpu_ratio_to_source" in s else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -316,3 +316,14 @@ def test_skip_pickles_as_itself():
     import pickle
 
     assert pickle.loads(pickle.dumps(SKIP)) is SKIP
+
+
+def test_a_source_and_a_map_of_it_cannot_both_be_registered(coord):
+    src = ArraySource(table(10))
+    feeder.init_data_input_workers(None, ["x", "id"], src, 4, coordinator=coord)
+    with pytest.raises(ValueError, match="already feeds source 'train' through another object"):
+        feeder.init_data_input_workers(None, ["x", "id"], src.filter(not_every_third), 4, coordinator=coord,
+                                       input_source_name="other")
+    chain = src.map(lambda d: d)
+    with pytest.raises(ValueError, match="through another object"):
+        feeder.init_data_input_workers(None, ["x", "id"], chain, 4, coordinator=coord)

@@ -86,6 +86,9 @@ CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
 
 
+_FINAL = frozenset({"end", "bye", "error", "invalid", "stats", "stack"})
+
+
 def seed_worker(seed: int, worker_id: int) -> None:
     """Seed ``random`` and numpy's global generator from (seed, worker_id): distinct per worker,
     reproducible for a given seed."""
@@ -160,22 +163,26 @@ class _Child:
             finally:
                 self.lock.release()
 
-    def stats(self) -> Tuple[Any, ...]:
+    def stats(self, final: bool = False) -> Tuple[Any, ...]:
         now = time.monotonic()
-        if now >= self.cpu_due and threading.get_ident() == self.main_ident:
-            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message
+        main = threading.get_ident() == self.main_ident
+        counters = keys = None
+        if now >= self.cpu_due and main:
+            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message;
+            # the fetch_fun's counters likewise (the parent keeps the last ones it got)
             self.cpu_due = now + CPU_SAMPLE_S
             self.cpu_s = time.thread_time() - self.cpu0
-        counters = keys = None
-        if self.counters_of is not None:
+            final = True
+        if final and self.counters_of is not None:
             counters = self.counters_of((self.worker_id,))
-        if self.filtered_of is not None and threading.get_ident() == self.main_ident:
+        if self.filtered_of is not None and main:
             keys = self.filtered_of((self.worker_id,))  # taken by the main thread only, which filters
         return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
                 self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since, counters, keys)
 
     def send(self, *msg: Any, fds: Tuple[int, ...] = ()) -> None:
-        self.chan.send(msg + (self.stats(),), fds)
+        # the last messages of a worker (and periodic ones) carry its fetch_fun's counters for sure
+        self.chan.send(msg + (self.stats(final=msg[0] in _FINAL),), fds)
 
     def stopped(self) -> bool:
         return self.stop.is_set() or bool(self.control.fields[STOP])
