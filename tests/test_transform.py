@@ -327,3 +327,17 @@ def test_a_source_and_a_map_of_it_cannot_both_be_registered(coord):
     chain = src.map(lambda d: d)
     with pytest.raises(ValueError, match="through another object"):
         feeder.init_data_input_workers(None, ["x", "id"], chain, 4, coordinator=coord)
+
+
+def test_a_bound_chain_of_module_level_functions_pickles_with_plain_pickle():
+    import pickle
+
+    from feeder.sources.base import SourceBinding
+
+    chain = ArraySource(table(50), block_rows=10).filter(not_every_third)
+    chain.feeder_validate(("x", "id"), None)
+    chain.feeder_bind(SourceBinding("s", ((0,),), ("x", "id"), False, on_filtered=lambda rows, keys: None))
+    copy = pickle.loads(pickle.dumps(chain))
+    first = copy(0, 8)
+    assert first[1].tolist() == [1, 2, 4, 5, 7, 8] and first[2].tolist() == first[1].tolist()
+    assert copy.feeder_filtered_keys((0,)).tolist() == [0, 3, 6, 9]  # no sink in the copy: kept for the report

@@ -126,7 +126,8 @@ class _Child:
         self.cpu_s = 0.0
         self.cpu_due = 0.0
         # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s,
-        # and the fetch_fun's own: its feeder_counters() and the row keys it filtered since the last message
+        # and the fetch_fun's own (every CPU_SAMPLE_S and in the last messages, else None): its
+        # feeder_counters() and the row keys it filtered since it last reported them
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
         self.counters_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
         self.filtered_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
@@ -175,13 +176,15 @@ class _Child:
             final = True
         if final and self.counters_of is not None:
             counters = self.counters_of((self.worker_id,))
-        if self.filtered_of is not None and main:
+        if final and self.filtered_of is not None and main:
             keys = self.filtered_of((self.worker_id,))  # taken by the main thread only, which filters
         return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
                 self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since, counters, keys)
 
     def send(self, *msg: Any, fds: Tuple[int, ...] = ()) -> None:
-        # the last messages of a worker (and periodic ones) carry its fetch_fun's counters for sure
+        # A worker's last messages, and one every CPU_SAMPLE_S, carry its fetch_fun's counters and
+        # the keys it filtered: a filtered row is recorded before the worker's end, never lost
+        # (one not yet reported when the process is stopped is simply read again on a resume).
         self.chan.send(msg + (self.stats(final=msg[0] in _FINAL),), fds)
 
     def stopped(self) -> bool:

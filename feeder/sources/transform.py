@@ -15,8 +15,9 @@ stays out of the user's sight:
   :class:`~feeder.rowkeys.KeyLedger` as *filtered*: recorded as done (they will never be
   delivered), so that a checkpoint stays a few ranges per unit in flight and a resume never
   reads them again, and counted apart from the delivered rows. In threads they are handed over
-  at once (``SourceBinding.on_filtered``); a worker process keeps them until its next message to
-  the parent (``feeder_filtered_keys``, see ``feeder.processes.child``). A unit whose rows were all
+  at once (``SourceBinding.on_filtered``); a worker process keeps them until it reports to the
+  parent (``feeder_filtered_keys``: with a message every 50 ms and with its last ones, see
+  ``feeder.processes.child``). A unit whose rows were all
   dropped returns :data:`~feeder.sources.base.SKIP`: an ordered source's round-robin counts it
   as that worker's turn, so that chunks keep the order of the units and an ordered resume gives
   exactly the batches an uninterrupted run would have given.
@@ -55,13 +56,25 @@ Plan = Tuple[List[str], Callable[[Dict[str, np.ndarray]], List[np.ndarray]], boo
              Tuple[Tuple[bool, Callable[[Dict[str, np.ndarray]], Any]], ...]]
 
 
-def _taker(outputs: Sequence[str]) -> Callable[[Dict[str, np.ndarray]], List[np.ndarray]]:
-    """``cols -> [cols[name] for name in outputs]``, in one C call (KeyError for a missing name)."""
-    if len(outputs) == 1:
-        (only,) = outputs
-        return lambda cols: [cols[only]]
-    get = operator.itemgetter(*outputs)
-    return lambda cols: list(get(cols))
+class _Take:
+    """``cols -> [cols[name] for name in outputs]`` in one C call (KeyError for a missing name);
+    picklable, as the bound source it belongs to travels to worker processes."""
+
+    __slots__ = ("get", "one")
+
+    def __init__(self, outputs: Sequence[str]):
+        self.one = len(outputs) == 1
+        self.get = operator.itemgetter(*outputs)
+
+    def __call__(self, cols: Dict[str, np.ndarray]) -> List[np.ndarray]:
+        got = self.get(cols)
+        return [got] if self.one else list(got)
+
+    def __getstate__(self) -> Tuple[bool, Any]:
+        return self.one, self.get
+
+    def __setstate__(self, state: Tuple[bool, Any]) -> None:
+        self.one, self.get = state
 
 
 def function_name(fn: Any) -> str:
@@ -198,7 +211,7 @@ class TransformedSource(Transformable):
         self._outputs = [n for n in binding.input_names if n != ROW_KEY]
         self._ordered = binding.ordered
         self._sink = binding.on_filtered
-        self._plan = (list(self._columns), _taker(self._outputs), self.feeder_row_keys,
+        self._plan = (list(self._columns), _Take(self._outputs), self.feeder_row_keys,
                       tuple((kind == MAP, fn) for kind, fn in self.steps))
         self._figures, self._pending = {}, {}
         inner = dataclasses.replace(binding, input_names=tuple(self._columns), resume=self._inner_state(binding.resume),
