@@ -21,9 +21,10 @@ best round of each is the one least disturbed).
 
 Besides, ``--calls`` measures what a fetch call costs (microseconds, best of 5 runs of 20,000
 calls, the source bound by hand and called in this thread), for the source and each contender:
-the difference is what the wrapper adds per unit of work, free of the noise of the pipeline. In
-threads, where the whole pipeline runs in the benchmark's process, rows per CPU second of that
-process are compared as well (less disturbed by other work on the machine than rows/s).
+the difference is what the wrapper adds per unit of work, free of the noise of the pipeline. And
+each run also counts the CPU seconds of the whole pipeline (this process and, in process mode, its
+worker processes, from /proc): rows per CPU second are compared too, a figure much less disturbed
+by other work on the machine than rows/s.
 
     python benchmarks/transform.py [--rounds 7] [--mode threads processes] [--json out.json]
 """
@@ -66,24 +67,42 @@ CONTENDERS: Dict[str, Callable[[ArraySource], Any]] = {
 }
 
 
-CPU = [0.0]  # rows per CPU second of this process in the last run (threads: the whole pipeline)
+CPU = [0.0]  # rows per CPU second of the pipeline (this process and its worker processes) in the last run
+
+
+def children_cpu_s(feed: Any) -> float:
+    """CPU seconds (user + system) the feed's worker processes have used so far (Linux /proc)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for w in getattr(feed._fetchers, "_workers", []):
+        try:
+            with open(f"/proc/{w.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, TypeError, IndexError, ValueError):
+            pass
+    return total
 
 
 def rows_per_s(make: Callable[[ArraySource], Any], arrays: Dict[str, np.ndarray], args: argparse.Namespace,
                mode: str) -> float:
-    src = make(ArraySource(arrays, epochs=args.epochs, block_rows=args.block_rows))
+    """Rows/s of a contender over ``args.epochs`` passes of an endless source (so that the worker
+    processes are alive when their CPU time is read at the end); sets CPU[0]."""
+    src = make(ArraySource(arrays, epochs=None, block_rows=args.block_rows))
     coord = feeder.GlobalCoordinator()
     kw = {"num_worker_processes": args.workers} if mode == "processes" else {"num_worker_threads": args.workers}
     feeder.init_data_input_workers(None, ["x", "id"], src, args.batch_size, coordinator=coord, **kw)
+    want = args.epochs * len(arrays["id"])
     try:
         coord.start()
         feed = coord.feed("train")
         feed.next_batch(timeout=60)  # start-up (processes) is not what is measured
         rows = 0
-        t0, c0 = time.perf_counter(), time.process_time()
-        for batch in feed:
-            rows += len(batch["id"])
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu_s(feed)
+        while rows < want:
+            rows += len(feed.next_batch(timeout=60)["id"])
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0 + children_cpu_s(feed) - k0
         CPU[0] = rows / cpu if cpu > 0 else 0.0
         return rows / wall
     finally:
@@ -150,10 +169,8 @@ def main(argv: List[str] | None = None) -> int:
                           "median_ratio_to_source": statistics.median(r[name] / r["source"] for r in rounds),
                           "best_ratio_to_source": max(r[name] for r in rounds) / best_source}
                    for name in CONTENDERS}
-        if mode == "threads":  # the whole pipeline runs in this process: rows per CPU second compare too
-            for name in CONTENDERS:
-                summary[name]["median_cpu_ratio_to_source"] = statistics.median(
-                    c[name] / c["source"] for c in cpu_rounds)
+        for name in CONTENDERS:  # rows per CPU second of the whole pipeline: steadier under load
+            summary[name]["median_cpu_ratio_to_source"] = statistics.median(c[name] / c["source"] for c in cpu_rounds)
         out["modes"][mode] = {"rounds": rounds, "summary": summary}
         print(f"\n{mode}: {args.workers} {mode}, {args.rows:,} rows x {args.epochs} epochs, units of "
               f"{args.block_rows} rows, batch {args.batch_size}, {args.rounds} rounds")
