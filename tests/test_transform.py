@@ -242,8 +242,15 @@ def test_what_the_functions_return_is_checked_naming_them():
     with pytest.raises(InputValidationError, match=r"map function .*<lambda> \(test_transform\.py:\d+\) returned "
                                                    r"list; it must return a dict"):
         runs(ArraySource(table(50)).map(lambda d: [d["x"], d["id"]]))
-    with pytest.raises(InputValidationError, match=r"input 'x': map function .* returned list for it"):
-        runs(ArraySource(table(50)).map(lambda d: {"x": d["x"].tolist(), "id": d["id"]}))
+    with pytest.raises(InputValidationError, match=r"input 'x': map function .* returned int for it; it must "
+                                                   r"return numpy arrays"):
+        runs(ArraySource(table(50)).map(lambda d: {"x": 3, "id": d["id"]}))
+    with pytest.raises(InputValidationError, match=r"input 'x': map function .* returned 49 rows \(list\) for a "
+                                                   r"chunk of 50 rows"):
+        runs(ArraySource(table(50)).map(lambda d: {"x": list(d["x"])[1:], "id": d["id"]}))
+    # a list of rows has the right count: the validator judges it (not a padded input here: refused)
+    with pytest.raises(InputValidationError, match=r"worker 0, input 'x': expected a numpy array"):
+        runs(ArraySource(table(50)).map(lambda d: {"x": list(d["x"]), "id": d["id"]}))
     with pytest.raises(InputValidationError, match=r"filter predicate .* returned int64 values of shape \(50,\) for "
                                                    r"a chunk of 50 rows; it must return a bool mask"):
         runs(ArraySource(table(50)).filter(lambda d: d["id"] % 2))
@@ -341,3 +348,27 @@ def test_a_bound_chain_of_module_level_functions_pickles_with_plain_pickle():
     first = copy(0, 8)
     assert first[1].tolist() == [1, 2, 4, 5, 7, 8] and first[2].tolist() == first[1].tolist()
     assert copy.feeder_filtered_keys((0,)).tolist() == [0, 3, 6, 9]  # no sink in the copy: kept for the report
+
+
+def test_a_filter_keeps_rows_of_columns_that_are_lists_of_rows_by_row_number():
+    from feeder.sources.transform import _rows_of
+
+    mask = np.array([True, False, True])
+    rows = [np.arange(1), np.arange(2), np.arange(3)]
+    assert [len(r) for r in _rows_of(rows, mask)] == [1, 3]
+    assert _rows_of(np.arange(3), mask).tolist() == [0, 2]
+
+    class ByNumber:  # as feeder's Ragged: indexed by an array of row numbers
+        def __getitem__(self, idx):
+            return idx.tolist()
+
+    assert _rows_of(ByNumber(), mask) == [0, 2]
+
+
+def test_a_wrapper_answers_what_feeder_asks_a_source_with_the_wrapped_sources_answer():
+    src = ArraySource(table(10))
+    src.feeder_shard_record = lambda: {"world": 2, "ranks": [1]}  # as a sharded source would say
+    chain = src.filter(not_every_third)
+    assert chain.feeder_shard_record() == {"world": 2, "ranks": [1]}
+    with pytest.raises(AttributeError):
+        getattr(chain, "not_a_feeder_attribute")  # noqa: B009

@@ -29,6 +29,10 @@ stays out of the user's sight:
   refused. A function's code is not compared: changing what a function does between a
   checkpoint and its resume is the user's to avoid.
 
+Columns are numpy arrays, or for an input whose rows differ in length (``pad=``) whatever form
+such rows come in (a list of arrays, a ``Ragged``): a filter keeps their rows by row number, a map
+may return them, counted by ``len()``; the validator judges them as any chunk.
+
 Which columns the functions see: every column the wrapped source reads. ``ArraySource``: all its
 arrays (given as a dict, so that they have names); ``ParquetSource``: the inputs its ``columns``
 maps, or with ``columns=None`` every column of its files; ``RayDataSource``: likewise, every
@@ -75,6 +79,17 @@ class _Take:
 
     def __setstate__(self, state: Tuple[bool, Any]) -> None:
         self.one, self.get = state
+
+
+def _rows_of(a: Any, mask: np.ndarray) -> Any:
+    """The rows of column ``a`` that ``mask`` keeps: a numpy array by the mask, a list or tuple
+    of rows (rows of different lengths) row by row, anything else (a Ragged) by row numbers."""
+    if isinstance(a, np.ndarray):
+        return a[mask]
+    keep = np.flatnonzero(mask)
+    if isinstance(a, (list, tuple)):
+        return [a[i] for i in keep.tolist()]
+    return a[keep]
 
 
 def function_name(fn: Any) -> str:
@@ -136,6 +151,13 @@ class TransformedSource(Transformable):
     def wrapped(self) -> Any:
         """The source whose rows the steps transform."""
         return self.source
+
+    def __getattr__(self, name: str) -> Any:
+        # What feeder asks a source about itself and the wrapper does not answer (its shard, its
+        # rows) is the wrapped source's to say. (Not during unpickling, before "source" is set.)
+        if name.startswith("feeder_") and "source" in self.__dict__:
+            return getattr(self.__dict__["source"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"{self.source!r}" + "".join(f".{kind}({function_name(fn)})" for kind, fn in self.steps)
@@ -303,7 +325,8 @@ class TransformedSource(Transformable):
                         continue
                     for a in cols.values():  # the dict it got, maybe changed in place: still n rows each?
                         if type(a) is not np.ndarray or not a.ndim or a.shape[0] != n:
-                            self._mapped(fn, out, n)
+                            cols = self._mapped(fn, out, n)
+                            break
                     continue
                 mask = fn(cols)
                 if type(mask) is not np.ndarray or mask.dtype is not _BOOL or mask.shape != (n,):
@@ -314,7 +337,7 @@ class TransformedSource(Transformable):
                 self._filtered(worker_id, figures, n - kept, None if keys is None else keys[~mask])
                 if kept == 0:
                     return SKIP
-                cols = {name: a[mask] for name, a in cols.items()}
+                cols = {name: _rows_of(a, mask) for name, a in cols.items()}
                 if keys is not None:
                     keys = keys[mask]
                 n = kept
@@ -361,11 +384,18 @@ class TransformedSource(Transformable):
                 continue  # the common case, checked in one line
             if not isinstance(name, str):
                 raise InputValidationError(f"map function {function_name(fn)} returned the key {name!r}; names are str")
-            if not isinstance(a, np.ndarray):
+            if isinstance(a, np.ndarray):
+                rows: Optional[int] = a.shape[0] if a.ndim else None
+                what = f"{rows} rows (shape {a.shape})"
+            elif isinstance(a, (str, bytes, Mapping)) or not hasattr(a, "__len__") or not hasattr(a, "__getitem__"):
                 raise InputValidationError(f"input {name!r}: map function {function_name(fn)} returned "
-                                           f"{type(a).__name__} for it; it must return numpy arrays")
-            if a.ndim < 1 or a.shape[0] != n:
-                got = "a scalar" if a.ndim < 1 else f"{a.shape[0]} rows (shape {a.shape})"
+                                           f"{type(a).__name__} for it; it must return numpy arrays (or rows of "
+                                           f"different lengths for a padded input: a list of arrays, a Ragged)")
+            else:  # rows of different lengths, for a padded input: the validator judges them
+                rows = len(a)
+                what = f"{rows} rows ({type(a).__name__})"
+            if rows != n:
+                got = "a scalar" if rows is None else what
                 raise InputValidationError(f"input {name!r}: map function {function_name(fn)} returned {got} for a "
                                            f"chunk of {n} rows; a map returns one row per row it gets (drop rows "
                                            f"with filter)")
