@@ -397,7 +397,7 @@ class ParquetSource(ShardedSource):
             where = f"column {col!r} (input {name!r}) of {self.files[index][0]!r}, row group {rg}"
             a = to_numpy(table.column(col), where)
             a = a if whole else a[rows]
-            if name in self._as_column and a.ndim == 1:
+            if name in self._as_column and isinstance(a, np.ndarray) and a.ndim == 1:
                 a = a.reshape(len(a), 1)  # a view: the model's input is [N, 1]
             out.append(a)
         return out
@@ -413,8 +413,9 @@ class ParquetSource(ShardedSource):
         for c in cols:
             where = f"column {c!r} (input {name!r}) of {path!r}, row group {rg}"
             a = to_numpy(table.column(c), where)
-            if a.ndim != 1 or a.dtype.kind not in "biuf":
-                what = f"dtype {a.dtype}" if a.ndim == 1 else f"shape {a.shape} per chunk"
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "biuf":
+                what = ("rows of different lengths" if not isinstance(a, np.ndarray) else
+                        f"dtype {a.dtype}" if a.ndim == 1 else f"shape {a.shape} per chunk")
                 raise InputValidationError(f"{where}: a stacked input takes scalar numeric columns, this one has "
                                            f"{what}; name it alone (columns={{{name!r}: {c!r}}}) or leave it out")
             parts.append((c, a))
