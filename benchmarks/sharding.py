@@ -15,7 +15,8 @@ of 256 rows, no model, 2 fetcher threads, every contender reading one whole epoc
 Contenders alternate, ``--repeats`` times each; the median of each is reported. This machine has 2
 cores shared with whatever else runs: read ratios, not rows/s.
 
-    python benchmarks/sharding.py [--mb 100] [--world 4] [--repeats 3] [--json benchmarks/results/sharding.json]
+    python benchmarks/sharding.py [--mb 100] [--world 4] [--epochs 4] [--repeats 5]
+                                  [--json benchmarks/results/sharding.json]
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=100, help="size of the dataset, MB")
     p.add_argument("--world", type=int, default=4, help="ranks the data is sharded between")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=4, help="epochs each contender reads (a run of a few seconds)")
     p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "feeder-bench-sharding"))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -104,33 +106,33 @@ def main(argv: Any = None) -> int:
     y = np.arange(rows)
     share_x, share_y = x[lo:hi].copy(), y[lo:hi].copy()
     window = 4 * GROUP
-    w = args.world
+    w, e = args.world, args.epochs
     cases = {
         "parquet sharding": {
-            f"rank 1 of {w}": lambda: ParquetSource(full, shard=(1, w)),
-            "unsharded, its share": lambda: ParquetSource(part),
+            f"rank 1 of {w}": lambda: ParquetSource(full, shard=(1, w), epochs=e),
+            "unsharded, its share": lambda: ParquetSource(part, epochs=e),
         },
         "parquet window": {
-            "shuffle_window=4 units": lambda: ParquetSource(full, shuffle=True, shuffle_window=window),
-            "unit shuffling": lambda: ParquetSource(full, shuffle=True),
+            "shuffle_window=4 units": lambda: ParquetSource(full, shuffle=True, shuffle_window=window, epochs=e),
+            "unit shuffling": lambda: ParquetSource(full, shuffle=True, epochs=e),
         },
         "arrays sharding": {
-            f"rank 1 of {w}": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shard=(1, w)),
-            "unsharded, its share": lambda: ArraySource({"x": share_x, "y": share_y}, block_rows=GROUP),
+            f"rank 1 of {w}": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shard=(1, w), epochs=e),
+            "unsharded, its share": lambda: ArraySource({"x": share_x, "y": share_y}, block_rows=GROUP, epochs=e),
         },
         "arrays window": {
             "shuffle_window=4 units": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shuffle=True,
-                                                          shuffle_window=window),
-            "unit shuffling": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shuffle=True),
+                                                          shuffle_window=window, epochs=e),
+            "unit shuffling": lambda: ArraySource({"x": x, "y": y}, block_rows=GROUP, shuffle=True, epochs=e),
         },
     }
     results: Dict[str, Any] = {"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "rows": rows,
-                               "world": w, "batch": BATCH, "row_group": GROUP, "repeats": args.repeats,
+                               "world": w, "epochs": e, "batch": BATCH, "row_group": GROUP, "repeats": args.repeats,
                                "command": "python benchmarks/sharding.py " + " ".join(sys.argv[1:] if argv is None
                                                                                      else argv),
                                "cases": {}}
-    print(f"{rows:,} rows of 64 float32 + int64, row groups of {GROUP}, batch {BATCH}, 2 fetcher threads, "
-          f"median of {args.repeats}, {os.cpu_count()} cores, {results['date']}")
+    print(f"{rows:,} rows of 64 float32 + int64, row groups of {GROUP}, {e} epochs, batch {BATCH}, 2 fetcher "
+          f"threads, median of {args.repeats}, {os.cpu_count()} cores, {results['date']}")
     print("| case | contender | rows/s | ratio | row groups per batch (median) |")
     print("|---|---|---|---|---|")
     for case, contenders in cases.items():

@@ -277,12 +277,21 @@ def init_data_input_workers(
         validate(tuple(public_names(names)), resume_from)
     if hasattr(fetch_fun, "feeder_bind"):
         # A source is bound to one source name's workers (its shards, ledger and resume state);
-        # a second name would take it from the first.
+        # a second name would take it from the first. So is the source a map or filter wraps.
+        from .sources.transform import TransformedSource
+
+        def base(fun: Any) -> Any:
+            return fun.wrapped if isinstance(fun, TransformedSource) else fun
+
         for other in coord._feeds:
             if other.fetch_fun is fetch_fun and other.input_source_name != input_source_name:
                 raise ValueError(f"this {type(fetch_fun).__name__} already feeds source {other.input_source_name!r}; "
                                  f"a source object feeds one input_source_name: create another for "
                                  f"{input_source_name!r}")
+            if other.fetch_fun is not fetch_fun and base(other.fetch_fun) is base(fetch_fun):
+                raise ValueError(f"this {type(base(fetch_fun)).__name__} already feeds source "
+                                 f"{other.input_source_name!r} through another object (a map or filter of it, or the "
+                                 f"source itself): a source object is read by one fetch function; create another")
     for other in coord.feeds(input_source_name):
         if other.fetch_fun is fetch_fun and other.resume_from != resume_from:
             raise ValueError(f"source {input_source_name!r}: every registration of a source must pass the same "

@@ -9,6 +9,9 @@ knows the three facts every consumer of the source must agree on:
 * the row ledger: rows fetched = rows delivered + rows buffered + rows dropped + rows discarded.
   Rows delivered are not counted here but derived from the feeds (rows that went into a feed's
   ready queue minus rows still in it), so a batch a consumer pops is delivered by the pop itself.
+  Rows a source filtered out (``source.filter``) never become chunks: they are counted apart
+  (``rows_filtered``), and for a source with row keys the key ledger must hold exactly the keys
+  of this run's delivered and filtered rows (checked with the rest).
 
 Two orders are supported. Unordered (default): one FIFO, whichever worker is first.
 Ordered: one sub-queue per worker, drained in a fixed round-robin of worker ids, so the
@@ -108,6 +111,7 @@ class ChunkQueue:
         self.rows_fetched = 0
         self.rows_dropped = 0
         self.rows_discarded = 0  # rows thrown away by stop(): queued, held by feeds or by fetchers
+        self.rows_filtered = 0   # rows the source dropped on purpose (never fetched as chunks)
         self.queued_rows = 0
         self.queued_chunks = 0
         self.queued_bytes = 0
@@ -357,6 +361,20 @@ class ChunkQueue:
             self._rows_delivered += rows
             self._release(nbytes)
 
+    def record_filtered(self, rows: int, keys: Optional[np.ndarray] = None) -> None:
+        """Rows the source dropped on purpose (``filter``), with their row keys when it has them:
+        the keys go to the key ledger as filtered (see ``feeder.rowkeys``).
+
+        Args:
+            rows: How many rows were dropped.
+            keys: Their row keys (int64), or None for a source without row keys.
+        """
+        ledger = self.row_keys
+        if keys is not None and ledger is not None:
+            ledger.record_filtered(keys)  # before taking this queue's lock: never both at once
+        with self._lock:
+            self.rows_filtered += rows
+
     def dropped(self, rows: int, nbytes: int) -> None:
         """Rows discarded by policy (``last_batch='drop'``)."""
         with self._lock:
@@ -439,7 +457,20 @@ class ChunkQueue:
                 log.error("source %r: row ledger does not balance at %s: fetched %d != delivered %d + dropped %d "
                           "+ discarded %d + buffered %d", self.name, when, self.rows_fetched, delivered,
                           self.rows_dropped, self.rows_discarded, buffered)
-            return ok
+            filtered = self.rows_filtered
+        keys = self.row_keys
+        if keys is not None:
+            # The keys this run recorded are those of the rows delivered (recorded at each pop) and
+            # filtered (recorded as fetched): a key missing or counted twice is a bug.
+            ranges, key_filtered = keys.snapshot()
+            recorded = int((ranges[:, 1] - ranges[:, 0]).sum()) - keys.start_covered
+            new_filtered = key_filtered - keys.start_filtered
+            if recorded != delivered + new_filtered or new_filtered > filtered:
+                ok = False
+                log.error("source %r: row ledger does not balance at %s: the row keys recorded cover %d rows, the "
+                          "rows delivered %d + filtered %d (%d of them with keys)", self.name, when, recorded,
+                          delivered, filtered, new_filtered)
+        return ok
 
     # ---- lifecycle / introspection -------------------------------------------------
     def close(self) -> Tuple[int, int]:
@@ -480,7 +511,8 @@ class ChunkQueue:
 
     def ledger(self) -> Dict[str, int]:
         """The source's row ledger, in rows: ``rows_fetched``, ``rows_delivered``, ``rows_dropped``,
-        ``rows_discarded`` and ``rows_queued`` (rows held by the feeds are in none of the last four)."""
+        ``rows_discarded`` and ``rows_queued`` (rows held by the feeds are in none of the last four),
+        and ``rows_filtered`` (dropped on purpose by the source, never fetched as chunks)."""
         with self._lock:
             return {
                 "rows_fetched": self.rows_fetched,
@@ -488,6 +520,7 @@ class ChunkQueue:
                 "rows_dropped": self.rows_dropped,
                 "rows_discarded": self.rows_discarded,
                 "rows_queued": self.queued_rows,
+                "rows_filtered": self.rows_filtered,
             }
 
     def __repr__(self) -> str:

@@ -52,6 +52,8 @@ class StageTimes:
     intra_op_threads: Optional[int] = None  # the session's intra-op threads; 0: ORT's default (all cores)
     fetch_longest_s: float = 0.0   # the longest running time of one fetcher; 0: all ran all along
     auto: bool = False             # num_worker_threads="auto" chose how many ran
+    transform_s: float = 0.0       # of fetch_s, inside a source's map and filter functions
+    rows_filtered: float = 0.0     # rows those filters dropped
 
 
 def running_at_once(t: StageTimes) -> float:
@@ -108,7 +110,12 @@ def verdict(t: StageTimes) -> str:
         at_once = ""
         if t.auto or running < t.workers - 0.25:
             at_once = f" ({running:.1f} running at a time on average{', auto' if t.auto else ''})"
-        figures += (f"; {t.workers} fetcher {t.mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time, "
+        steps = ""
+        if t.transform_s > 0:
+            reading = max(0.0, t.fetch_s - t.transform_s)
+            steps = (f" (reading {reading:.2f} s, map/filter functions {t.transform_s:.2f} s"
+                     + (f", {t.rows_filtered:,.0f} rows filtered" if t.rows_filtered else "") + ")")
+        figures += (f"; {t.workers} fetcher {t.mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time{steps}, "
                     f"blocked on a full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
                     f"{fetched:,.0f} rows/s")
     out.append(figures + f"; queue of {t.queue_capacity:.0f} chunks.")
@@ -144,6 +151,11 @@ def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_
         advice.append(f"The fetchers spent {_pct(busy, 1)} of their time in fetch_fun but used only "
                       f"{per_fetcher_cpu:.0%} of a core each: they wait on I/O or sleeps, so more worker threads "
                       f"help (num_worker_threads={2 * t.workers}).")
+    if t.transform_s > 0 and t.transform_s >= 0.5 * t.fetch_s and busy >= 0.5:
+        advice.append(f"Of the time in fetch_fun, the source's map and filter functions took "
+                      f"{_pct(t.transform_s, t.fetch_s)} ({t.transform_s:.2f} s), reading the rest: make those "
+                      f"functions cheaper (vectorised numpy), or run them in more "
+                      f"{'worker processes' if t.mode == 'processes' else 'worker processes (num_worker_processes)'}.")
     if cores >= CPU_BOUND and t.intra_op_threads is not None and t.intra_op_threads != 1:
         advice.append("The session runs several intra-op threads, whose spinning takes the CPU the fetchers "
                       "need: create it with intra_op_num_threads=1 (or session.intra_op.allow_spinning=0) "

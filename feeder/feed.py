@@ -358,6 +358,8 @@ class Feed:
     def _take(self, item: Chunk) -> bool:
         """Rebatch one chunk from the source (the caller holds ``_pump_lock`` and saw room for one
         batch); whole batches beyond the room stay in the rebatcher. False if the feed stopped."""
+        if not item.rows:
+            return True  # an ordered source's turn without rows (feeder.sources.base.SKIP)
         self._rows_taken += item.rows
         self._inflight_rows = item.rows  # in this thread's hands: still counted as held
         if self.dont_rebatch:

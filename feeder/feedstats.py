@@ -27,6 +27,9 @@ METRIC_KEYS: Tuple[str, ...] = (
     # stage times (feeder.diagnosis)
     "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s", "fetch_cpu_s",
     "fetch_cpu_wall_s",
+    # a source's map and filter steps (feeder.sources.transform): rows this feed's workers filtered
+    # and seconds they spent in the steps (part of fetch_s), and the source's filtered rows
+    "rows_filtered", "transform_s", "source_rows_filtered",
 )
 # What external loggers get: the metrics and the rate over the last interval.
 REPORT_KEYS: Tuple[str, ...] = METRIC_KEYS + ("inputs_per_sec_interval",)
@@ -37,7 +40,8 @@ TOTALS: FrozenSet[str] = frozenset({
     "fetch_errors", "rows_dropped", "consumer_wait_s", "source_rows_fetched", "source_rows_delivered",
     "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
     "zero_copy_batches", "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
-    "fetch_cpu_s", "fetch_cpu_wall_s", "padded_elements", "row_elements",
+    "fetch_cpu_s", "fetch_cpu_wall_s", "padded_elements", "row_elements", "rows_filtered", "transform_s",
+    "source_rows_filtered",
 })
 # Figures of the source as a whole (its queue and ledger): every replica of a source reports the same.
 SOURCE_KEYS: FrozenSet[str] = frozenset(
@@ -113,6 +117,7 @@ class FeedStats:
             "source_rows_delivered": float(ledger["rows_delivered"]),
             "source_rows_dropped": float(ledger["rows_dropped"]),
             "source_rows_discarded": float(ledger["rows_discarded"]),
+            "source_rows_filtered": float(ledger["rows_filtered"]),
             "source_rows_buffered": float(ledger["rows_fetched"] - ledger["rows_delivered"] - ledger["rows_dropped"]
                                           - ledger["rows_discarded"]),
             "source_bytes_held": float(src.bytes_held),
@@ -125,6 +130,12 @@ class FeedStats:
             "row_elements": float(getattr(self.feed._rebatcher, "real_elements", 0)),
         }
         m.update(self._stage_metrics(now, c))
+        # Whatever the source counts (feeder_counters: rows filtered, seconds in its map and filter
+        # steps, retries), from the fetcher threads or as the worker processes last reported it.
+        m["rows_filtered"] = m["transform_s"] = 0.0
+        for k, v in self.feed._fetchers.counters().items():
+            if k in ("rows_filtered", "transform_s") or k not in m:  # never over feeder's own figures
+                m[k] = v
         return {k: float(v) for k, v in m.items()}  # the contract: dict[str, float]
 
     def _stage_metrics(self, now: float, c: Dict[str, float]) -> Dict[str, float]:
@@ -152,7 +163,8 @@ class FeedStats:
             fetch_cpu_wall_s=m["fetch_cpu_wall_s"], rows_fetched=m["rows_fetched"],
             queue_capacity=m["queue_capacity"],
             intra_op_threads=intra_op_threads(self.feed.session) if self.feed.session is not None else None,
-            fetch_longest_s=max(running, default=0.0), auto=self.feed._tuner is not None)
+            fetch_longest_s=max(running, default=0.0), auto=self.feed._tuner is not None,
+            transform_s=m["transform_s"], rows_filtered=m["rows_filtered"])
 
     def diagnose(self) -> str:
         """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),

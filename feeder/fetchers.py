@@ -27,13 +27,14 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .errors import Failure, FeederError, FetchError, InputValidationError
 from .rebatcher import BufferRing, Rebatcher
+from .sources.base import SKIP
 from .tuning import Throttle
 from .validation import ChunkValidator
 
@@ -58,7 +59,7 @@ class WorkerState:
 
     __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
                  "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
-                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked")
+                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
@@ -77,6 +78,8 @@ class WorkerState:
         # (seconds parked in parks that are over, start of the current park or 0.0): one tuple,
         # replaced whole, so that other threads read a consistent pair without a lock.
         self._parked = (0.0, 0.0)
+        # A worker process's latest feeder_counters() (see feeder.sources.base), replaced whole.
+        self.counters: Dict[str, float] = {}
 
     def begin(self) -> None:
         """Called by the fetcher itself as it starts: the origin of its lifetime and CPU clock."""
@@ -571,6 +574,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.none_chunks += 1
                 log.warning("source %r worker %d: fetch_fun returned None; skipped", source_name, wid)
                 continue
+            if raw is SKIP:  # nothing this time, on purpose; an ordered source's round-robin counts the turn
+                if source.ordered and not put_chunk(source, Chunk(wid, (), 0), state, stop, pump):
+                    return
+                continue
             try:
                 arrays, rows = check(raw, wid)
             except InputValidationError as e:
@@ -685,6 +692,18 @@ class ThreadFetchers:
 
     def request_stacks(self) -> None:
         """Nothing to ask ahead: a thread's stack is read at once."""
+
+    def counters(self) -> Dict[str, float]:
+        """The fetch_fun's ``feeder_counters`` for this feed's workers (see ``feeder.sources.base``),
+        counted in this process, where the threads run; {} when it has none (or it raised)."""
+        counters = getattr(self._fetch_fun, "feeder_counters", None)
+        if counters is None:
+            return {}
+        try:
+            return {str(k): float(v) for k, v in counters(tuple(s.worker_id for s in self.states)).items()}
+        except Exception:
+            log.debug("source %r: feeder_counters() raised", self.source.name, exc_info=True)
+            return {}
 
     def describe(self, now: float, stack_after_s: float = 1.0) -> List[str]:
         return [s.describe(now, stack_after_s=stack_after_s) for s in self.states]

@@ -11,12 +11,20 @@ only if its keys are recorded, whichever thread asks (``coord.state_dict(name)``
 The ledger keeps the keys as sorted disjoint ``[start, stop)`` ranges: sources number rows so
 that whole units of work and whole epochs are single ranges, and a state stays a few numbers
 per unit at most.
+
+Rows a source drops on purpose (``source.filter(pred)``, see ``feeder.sources.transform``) are
+recorded as they are fetched (:meth:`KeyLedger.record_filtered`): they will never be delivered,
+so they are done, and recording them keeps the ranges whole (a state with a hole per filtered
+row would grow with the data) and a resume from not reading them again. They are counted apart:
+a state's ``delivered`` ranges hold the keys of the rows delivered *or filtered* (what a resume
+skips), its ``rows_delivered`` counts the rows delivered to consumers and ``rows_filtered``
+(present when any was) those filtered.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -71,21 +79,30 @@ def merge_ranges(ranges: np.ndarray, keys: Optional[np.ndarray] = None) -> Tuple
 
 
 class KeyLedger:
-    """The keys of the rows a source delivered to consumers, as ranges (see module docstring)."""
+    """The keys of the rows a source delivered to consumers or filtered, as ranges (see module
+    docstring). ``filtered``: how many of them were filtered (those of ``ranges`` included)."""
 
-    def __init__(self, source: str, ranges: Optional[np.ndarray] = None):
+    def __init__(self, source: str, ranges: Optional[np.ndarray] = None, filtered: int = 0):
         self.source = source
         self._lock = threading.Lock()
         self._ranges = np.zeros((0, 2), np.int64) if ranges is None else merge_ranges(ranges)[0]
         self._pending: List[np.ndarray] = []
         self._pending_n = 0
         self.duplicates = 0
+        self.filtered = int(filtered)
+        # What the ledger started with, so that its end-of-data check counts this run's keys only.
+        self.start_covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
+        self.start_filtered = self.filtered
+        # Called with every array of filtered keys, after it is recorded (feeder.predict commits them).
+        self.on_filtered: Optional[Callable[[np.ndarray], None]] = None
 
     @classmethod
     def from_state(cls, source: str, state: Optional[Dict[str, Any]]) -> "KeyLedger":
-        """A ledger that starts with what ``state`` says was delivered (a resumed run's checkpoints
-        cover the rows delivered before the resume too)."""
-        return cls(source, None if state is None else ranges_of(state))
+        """A ledger that starts with what ``state`` says was delivered or filtered (a resumed run's
+        checkpoints cover the rows done before the resume too)."""
+        if state is None:
+            return cls(source)
+        return cls(source, ranges_of(state), int(state.get("rows_filtered", 0) or 0))
 
     def record(self, item: Any) -> None:
         """Called with every item a feed's ready queue pops, under that queue's lock: cheap."""
@@ -97,6 +114,20 @@ class KeyLedger:
             self._pending_n += len(keys)
             if self._pending_n >= COMPACT_KEYS:
                 self._compact()
+
+    def record_filtered(self, keys: np.ndarray) -> None:
+        """Record the keys of rows the source dropped on purpose (from any thread)."""
+        if not len(keys):
+            return
+        with self._lock:
+            self._pending.append(np.array(keys, dtype=np.int64))
+            self._pending_n += len(keys)
+            self.filtered += len(keys)
+            if self._pending_n >= COMPACT_KEYS:
+                self._compact()
+        listener = self.on_filtered
+        if listener is not None:
+            listener(keys)
 
     def _compact(self) -> None:
         if self._pending:
@@ -115,7 +146,14 @@ class KeyLedger:
             ranges: np.ndarray = self._ranges.copy()
             return ranges
 
+    def snapshot(self) -> Tuple[np.ndarray, int]:
+        """(the ranges of keys delivered or filtered, how many of them were filtered), together."""
+        with self._lock:
+            self._compact()
+            return self._ranges.copy(), self.filtered
+
     def rows(self) -> int:
+        """Rows delivered or filtered (whose keys the ledger holds)."""
         r = self.ranges()
         return int((r[:, 1] - r[:, 0]).sum())
 
@@ -127,15 +165,17 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
                          f"from feeder.sources, or see 'Checkpoint and resume' in the README)")
     definition = getattr(fetch_fun, "feeder_definition", None)
     shard = getattr(fetch_fun, "feeder_shard_record", None)
-    ranges = ledger.ranges()
+    ranges, filtered = ledger.snapshot()
     state = {
         "format": STATE_FORMAT,
         "source": name,
         "definition": definition() if definition is not None else {},
-        "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()),
+        "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()) - filtered,
         "delivered": [[int(a), int(b)] for a, b in ranges],
     }
     record = shard() if shard is not None else None
     if record is not None:  # one rank's state: feeder.sources.merge_states joins the ranks'
         state["shard"] = record
+    if filtered:
+        state["rows_filtered"] = filtered
     return state

@@ -821,8 +821,14 @@ class PredictSession:
     """
 
     def __init__(self, session: Any, feed_names: Sequence[str], model_inputs: Sequence[str],
-                 outputs: Sequence[str], kept: Sequence[str]):
+                 outputs: Sequence[str], kept: Sequence[str], ordered: bool = False):
         self._ort = import_onnxruntime()
+        # ordered: each batch's place in the feed's sequence, stamped when it is prepared (batches
+        # are prepared one at a time, in order) and returned last by run_batch, so that a writer
+        # can put the batches of several consumer threads back in order.
+        self.ordered = ordered
+        self._seq_of: Dict[int, int] = {}
+        self._next_seq = 0
         self.session = session
         self.feed_names = list(feed_names)
         self.model_inputs = list(model_inputs)
@@ -891,6 +897,9 @@ class PredictSession:
     def prepare_batch(self, batch: PreparedBatch) -> None:
         """When the batch is made: the model inputs as OrtValues (zero-copy for contiguous arrays;
         on a GPU session, copied to the device now rather than inside the run)."""
+        if self.ordered:  # (under the feed's lock, in the order of the batches)
+            self._seq_of[id(batch)] = self._next_seq
+            self._next_seq += 1
         if self._bind:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
             arrays = [np.ascontiguousarray(a) for a in self._model_arrays(batch)]
@@ -901,7 +910,8 @@ class PredictSession:
 
     def run_batch(self, batch: PreparedBatch, output_names: Optional[Sequence[str]], run_options: Any) -> List[Any]:
         """In a consumer thread: run the model on ``batch``; returns ``outputs + kept + [row keys]``
-        (the outputs are views of this thread's reused buffers)."""
+        (the outputs are views of this thread's reused buffers), and when ``ordered`` the batch's
+        place in the sequence last."""
         n = batch.rows
         if not self._rows_checked:
             self._check_rows(batch)
@@ -918,7 +928,10 @@ class PredictSession:
                                  f"with outputs=)")
         if rows != n:
             got = [g[:n] for g in got]
-        return got + [batch.arrays[i] for i in self._kept_pos] + [batch.keys]
+        out: List[Any] = got + [batch.arrays[i] for i in self._kept_pos] + [batch.keys]
+        if self.ordered:
+            out.append(self._seq_of.pop(id(batch)))
+        return out
 
     def _check_rows(self, batch: PreparedBatch) -> None:
         """Once, on the first batch, before any output is returned (so before anything is written):

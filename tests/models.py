@@ -227,3 +227,48 @@ def id_outputs_model(width: int = 2) -> bytes:
         initializer=[numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
                      numpy_helper.from_array(np.array([1], dtype=np.int64), "axes")])
     return _model(graph)
+
+
+def zipmap_classifier_model(in_dim: int = 4, classes: int = 3) -> bytes:
+    """What skl2onnx makes of a classifier by default: x float32 [N, in_dim] -> label int64 [N]
+    and output_probability, a sequence of {class: probability} maps (ZipMap, domain ai.onnx.ml)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((in_dim, classes)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0),
+        helper.make_node("ZipMap", ["probabilities"], ["output_probability"], domain="ai.onnx.ml",
+                         classlabels_int64s=list(range(classes))),
+    ]
+    seq_of_maps = helper.make_sequence_type_proto(helper.make_map_type_proto(
+        TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    graph = helper.make_graph(
+        nodes, "zipmap_classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, in_dim])],
+        [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+         helper.make_value_info("output_probability", seq_of_maps)],
+        initializer=[numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("ai.onnx.ml", 1)])
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def column_inputs_model(names=("a", "b", "c")) -> bytes:
+    """One float32 [N, 1] input per column (skl2onnx's DataFrame pipelines): y = concat(...) @ w,
+    [N, 1], with w = 1, 2, 3, ..."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k = len(names)
+    w = np.arange(1, k + 1, dtype=np.float32).reshape(k, 1)
+    nodes = [helper.make_node("Concat", list(names), ["X"], axis=1), helper.make_node("MatMul", ["X", "W"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "columns",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, 1]) for n in names],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 1])],
+        initializer=[numpy_helper.from_array(w, "W")])
+    return _model(graph)

@@ -312,7 +312,8 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 BLOCK_TIMEOUT_S = 120  # each block's subprocess; they take 1-10 s on the 2-core CI machine
 # Imports that come with an optional extra: a block that needs one is skipped where it is absent.
 OPTIONAL = {"pyarrow": "parquet", "ray": "ray", "prometheus_client": "prometheus", "onnx": "examples",
-            "tqdm": "examples", "magika": "examples", "torch": "bench", "moto": "test"}
+            "tqdm": "examples", "magika": "examples", "torch": "bench", "moto": "test", "pandas": "test",
+            "sklearn": "test", "skl2onnx": "test"}
 
 
 def page_blocks():

@@ -390,3 +390,128 @@ def test_a_state_of_an_earlier_feeder_is_refused_saying_so_and_showing_no_hash(t
             "'s.parquet'") in msg
     assert "row_groups: the state has a hash, this source has none" in msg
     assert not re.search(r"[0-9a-f]{16}", msg), msg
+
+
+# ---- tabular data: scalar columns stacked, [N, 1] inputs, map and filter (issue 29) -------------------------
+def write_features(path, n, k=5, *, dtype=np.float64, names=None, row_group_size=64, seed=0):
+    """``k`` scalar columns named f0.. (or ``names``) in the schema order given, plus ``id``; the
+    values of f<j> in row i are i + j / 10."""
+    names = names or [f"f{j}" for j in range(k)]
+    cols = {name: pa.array((np.arange(n) + int(name[1:]) / 10).astype(dtype)) for name in names}
+    cols["id"] = pa.array(np.arange(n, dtype=np.int64))
+    pq.write_table(pa.table(cols), str(path), row_group_size=row_group_size)
+
+
+def expected_stack(ids, cols):
+    return np.stack([ids + int(c[1:]) / 10 for c in cols], axis=1)
+
+
+def test_scalar_columns_stack_into_one_input_in_the_order_given_and_globs_in_schema_order(tmp_path):
+    write_features(tmp_path / "t.parquet", 300, names=["f10", "f2", "f1", "g0"])
+    src = ParquetSource(tmp_path / "t.parquet", columns={"X": ["f2", "g0", "f1"], "id": "id"}, shuffle=True, seed=1)
+    got, state = consume(src, inputs=["X", "id"])
+    X = np.concatenate([b["X"] for b in got])
+    ids = np.concatenate([b["id"] for b in got])
+    assert X.shape == (300, 3) and X.dtype == np.float64 and sorted(ids.tolist()) == list(range(300))
+    np.testing.assert_array_equal(X, expected_stack(ids, ["f2", "g0", "f1"]))  # shuffled rows: the gather path
+    assert state["definition"]["columns"] == {"X": ["f2", "g0", "f1"], "id": "id"}
+    globbed = ParquetSource(tmp_path / "t.parquet", columns={"X": "f*", "Y": ["g0", "f1?"], "id": "id"})
+    assert globbed.columns == {"X": ["f10", "f2", "f1"], "Y": ["g0", "f10"], "id": "id"}  # the schema's order
+    got, _ = consume(globbed, inputs=["X", "Y", "id"], workers=1)
+    ids = np.concatenate([b["id"] for b in got])
+    np.testing.assert_array_equal(np.concatenate([b["X"] for b in got]), expected_stack(ids, ["f10", "f2", "f1"]))
+
+
+def test_bad_stacks_are_refused_naming_the_column(tmp_path):
+    write_features(tmp_path / "t.parquet", 50)
+    with pytest.raises(ValueError, match=r"the pattern 'h\*' \(input 'X'\) matches no column"):
+        ParquetSource(tmp_path / "t.parquet", columns={"X": "h*"})
+    with pytest.raises(ValueError, match=r"input 'X' names column\(s\) \['f1'\] more than once"):
+        ParquetSource(tmp_path / "t.parquet", columns={"X": ["f1", "f*"]})
+    with pytest.raises(ValueError, match=r"column\(s\) \['nope'\] not in"):
+        ParquetSource(tmp_path / "t.parquet", columns={"X": ["f1", "nope"]})
+    with pytest.raises(TypeError, match=r"columns\['X'\] must be a column name or a non-empty list"):
+        ParquetSource(tmp_path / "t.parquet", columns={"X": []})
+    table = pa.table({"a": pa.array(np.arange(4.0)), "v": pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(8)), 2),
+                      "s": pa.array(["p", "q", "r", "t"])})
+    pq.write_table(table, str(tmp_path / "m.parquet"))
+    for col, what in (("v", r"shape \(4, 2\) per chunk"), ("s", "dtype <U1")):
+        src = ParquetSource(tmp_path / "m.parquet", columns={"X": ["a", col]})
+        with pytest.raises(feeder.InputValidationError, match=rf"column '{col}' \(input 'X'\) .* a stacked input "
+                                                             rf"takes scalar numeric columns, this one has {what}"):
+            consume(src, inputs=["X"], workers=1)
+
+
+@pytest.fixture
+def onnx_models():
+    pytest.importorskip("onnx")
+    import models
+    return models
+
+
+def test_float64_columns_stack_into_a_float32_input_with_cast_converted_as_they_are_copied(tmp_path, onnx_models):
+    write_features(tmp_path / "t.parquet", 400, k=4)
+    sess = onnx_models.session(onnx_models.linear_model(in_dim=4))
+    src = ParquetSource(tmp_path / "t.parquet", columns={"x": "f*"})
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(sess, ["x"], src, 64, num_worker_threads=1, coordinator=coord, cast=True)
+    with coord:
+        ys = [coord.feed("train").run() for _ in range(6)]
+    x = expected_stack(np.arange(384), ["f0", "f1", "f2", "f3"]).astype(np.float32)
+    np.testing.assert_allclose(np.concatenate([y[0] for y in ys]), sess.run(None, {"x": x})[0], rtol=1e-6)
+    # The source made float32 itself, in one pass: what it returns is what the session takes.
+    src._targets, src._as_column = {"x": np.dtype(np.float32)}, set()
+    chunk = src._read(0, np.arange(64), 0)
+    assert chunk[0].dtype == np.float32 and chunk[0].flags.c_contiguous
+    # without cast=True the validator refuses float64, naming the remedy
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(sess, ["x"], ParquetSource(tmp_path / "t.parquet", columns={"x": "f*"}), 64,
+                                   num_worker_threads=1, coordinator=coord)
+    with coord, pytest.raises(feeder.InputValidationError, match=r"dtype float32, got dtype float64 \(cast=True"):
+        coord.feed("train").run()
+
+
+def test_a_cast_that_would_overflow_is_refused_naming_the_column(tmp_path, onnx_models):
+    big = np.ones(10)
+    big[3] = 1e39
+    pq.write_table(pa.table({"a": pa.array(np.ones(10)), "b": pa.array(big), "c": pa.array(np.ones(10)),
+                             "d": pa.array(np.ones(10))}), str(tmp_path / "t.parquet"))
+    sess = onnx_models.session(onnx_models.linear_model(in_dim=4))
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(sess, ["x"], ParquetSource(tmp_path / "t.parquet", columns={"x": ["a", "b", "c",
+                                                                                                    "d"]}),
+                                   5, num_worker_threads=1, coordinator=coord, cast=True)
+    with coord, pytest.raises(feeder.InputValidationError, match=r"column 'b' \(input 'x'\) .*finite values that do "
+                                                                 r"not fit float32"):
+        coord.feed("train").run()
+
+
+def test_a_scalar_column_feeds_an_n_by_1_input_reshaped_without_a_copy(tmp_path, onnx_models):
+    write_features(tmp_path / "t.parquet", 200, k=3, dtype=np.float32, names=["f1", "f2", "f3"])
+    sess = onnx_models.session(onnx_models.column_inputs_model(("a", "b", "c")))
+    src = ParquetSource(tmp_path / "t.parquet", columns={"a": "f1", "b": "f2", "c": "f3"})
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(sess, None, src, 50, num_worker_threads=1, coordinator=coord)
+    with coord:
+        ys = np.concatenate([coord.feed("train").run()[0] for _ in range(4)])
+    ids = np.arange(200)
+    want = (ids + 0.1) * 1 + (ids + 0.2) * 2 + (ids + 0.3) * 3
+    np.testing.assert_allclose(ys[:, 0], want, rtol=1e-5)
+    chunk = src._read(0, np.arange(64), 0)
+    assert chunk[0].shape == (64, 1) and chunk[0].base is not None  # a view of the column, not a copy
+
+
+def test_map_over_a_parquet_source_without_columns_sees_every_column(tmp_path):
+    write_features(tmp_path / "t.parquet", 120, k=3)
+    seen = []
+
+    def fn(d):
+        seen.append(sorted(d))
+        return {"total": d["f0"] + d["f1"] + d["f2"], "id": d["id"]}
+
+    src = ParquetSource(tmp_path / "t.parquet", shuffle=True).map(fn).filter(lambda d: d["id"] % 2 == 0)
+    got, state = consume(src, inputs=["total", "id"], workers=2)
+    ids = np.concatenate([b["id"] for b in got])
+    assert sorted(ids.tolist()) == list(range(0, 120, 2)) and state["rows_filtered"] == 60
+    np.testing.assert_allclose(np.concatenate([b["total"] for b in got]), 3 * ids + 0.3)
+    assert seen and all(s == ["f0", "f1", "f2", "id"] for s in seen)

@@ -111,6 +111,31 @@ def test_two_replicas_get_every_row_once(ray_local, coord):
     assert all(len(k) > 0 for k in keys)
 
 
+def test_map_and_filter_run_in_the_fetch_path_and_count_the_filtered(ray_local, coord):
+    """No row keys here, but the functions run where the fetch runs, see every column of the
+    dataset (columns=None), and the filtered rows are counted."""
+    from feeder.sources import RayDataSource
+
+    seen = []
+
+    def fn(d):
+        seen.append(sorted(d))
+        return {"x": d["x"] * 2, "k": d["k"]}
+
+    source = RayDataSource(pipeline(ray_local, rows=1000, blocks=8)).filter(lambda d: d["k"] % 4 != 0).map(fn)
+    feeder.init_data_input_workers(None, ["x", "k"], source, batch_size=64, num_worker_threads=2,
+                                   input_source_name="ray", coordinator=coord, timeout=60)
+    with coord:
+        feed = coord.feed("ray")
+        got = [(b["x"].copy(), b["k"].copy()) for b in feed]
+        m = feed.metrics()
+    k = np.concatenate([g[1] for g in got])
+    assert sorted(k.tolist()) == [i for i in range(1000) if i % 4]
+    np.testing.assert_array_equal(np.concatenate([g[0] for g in got])[:, 0], 2 * k.astype(np.float32))
+    assert seen and all(s == ["k", "x"] for s in seen)
+    assert m["rows_filtered"] == 250 and m["source_rows_filtered"] == 250 and m["transform_s"] > 0
+
+
 def test_session_run_and_column_mapping(ray_local, coord):
     from models import linear_model, session
 

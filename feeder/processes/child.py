@@ -54,6 +54,7 @@ import numpy as np
 from ..errors import InputValidationError
 from ..ragged import concat_shapes
 from ..rebatcher import take_rows
+from ..sources.base import SKIP
 from ..validation import ChunkValidator
 from .sending import Sendable
 from .shm import (
@@ -85,6 +86,9 @@ TRIM_EVERY = 32               # chunks between two looks for free segments to gi
 STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
+
+
+_FINAL = frozenset({"end", "bye", "error", "invalid", "stats", "stack"})
 
 
 def seed_worker(seed: int, worker_id: int) -> None:
@@ -123,8 +127,12 @@ class _Child:
         self.cpu0 = time.thread_time()
         self.cpu_s = 0.0
         self.cpu_due = 0.0
-        # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s
+        # figures sent with every message: calls, chunks, rows, none, empty, errors, fetch_s, cpu_s, wall_s,
+        # and the fetch_fun's own (every CPU_SAMPLE_S and in the last messages, else None): its
+        # feeder_counters() and the row keys it filtered since it last reported them
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.errors = 0
+        self.counters_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
+        self.filtered_of: Optional[Callable[[Tuple[int, ...]], Any]] = None
         self.fetch_s = 0.0
         self.main_ident = threading.get_ident()
         # Rows held for coalescing. The main thread owns them except inside fetch_fun, where the
@@ -159,17 +167,28 @@ class _Child:
             finally:
                 self.lock.release()
 
-    def stats(self) -> Tuple[Any, ...]:
+    def stats(self, final: bool = False) -> Tuple[Any, ...]:
         now = time.monotonic()
-        if now >= self.cpu_due and threading.get_ident() == self.main_ident:
-            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message
+        main = threading.get_ident() == self.main_ident
+        counters = keys = None
+        if now >= self.cpu_due and main:
+            # the thread CPU clock is a system call: read it every CPU_SAMPLE_S, not per message;
+            # the fetch_fun's counters likewise (the parent keeps the last ones it got)
             self.cpu_due = now + CPU_SAMPLE_S
             self.cpu_s = time.thread_time() - self.cpu0
+            final = True
+        if final and self.counters_of is not None:
+            counters = self.counters_of((self.worker_id,))
+        if final and self.filtered_of is not None and main:
+            keys = self.filtered_of((self.worker_id,))  # taken by the main thread only, which filters
         return (self.calls, self.chunks, self.rows, self.none_chunks, self.empty_chunks, self.errors,
-                self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since)
+                self.fetch_s, self.cpu_s, now - self.t0, self.status.state, now - self.status.since, counters, keys)
 
     def send(self, *msg: Any, fds: Tuple[int, ...] = ()) -> None:
-        self.chan.send(msg + (self.stats(),), fds)
+        # A worker's last messages, and one every CPU_SAMPLE_S, carry its fetch_fun's counters and
+        # the keys it filtered: a filtered row is recorded before the worker's end, never lost
+        # (one not yet reported when the process is stopped is simply read again on a resume).
+        self.chan.send(msg + (self.stats(final=msg[0] in _FINAL),), fds)
 
     def stopped(self) -> bool:
         return self.stop.is_set() or bool(self.control.fields[STOP])
@@ -526,6 +545,8 @@ def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int
             pass  # the parent stopped meanwhile and closed the channel: it no longer listens
         return
     del functions
+    child.counters_of = getattr(fetch_fun, "feeder_counters", None)
+    child.filtered_of = getattr(fetch_fun, "feeder_filtered_keys", None)
     try:
         _loop(child, fetch_fun, validator, coalesce)
     except BaseException as e:  # noqa: B902 - a bug here must reach the parent, not vanish
@@ -657,6 +678,10 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             if raw is None:
                 child.none_chunks += 1
                 child.send("none")
+                continue
+            if raw is SKIP:  # nothing, on purpose; the parent counts the turn of an ordered source (no coalescing)
+                if not coalesce:
+                    child.send("skip")
                 continue
             try:
                 arrays, rows = check(raw, wid)

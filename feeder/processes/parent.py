@@ -496,6 +496,10 @@ class ProcFetchers:
             elif kind == "empty":
                 log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
                             source.name, state.worker_id)
+            elif kind == "skip":  # feeder.sources.base.SKIP: an ordered source's turn without rows
+                if source.ordered and not self._put(Chunk(state.worker_id, (), 0), state):
+                    self._drain(w)
+                    return
             elif kind == "error":
                 failed = self._error(w, msg)
                 if failed:
@@ -525,7 +529,11 @@ class ProcFetchers:
     def _update(self, w: _Worker, stats: Tuple[Any, ...]) -> None:
         s = w.state
         (s.calls, s.chunks, rows, s.none_chunks, s.empty_chunks, s.fetch_errors, s.fetch_s, s.cpu_s, wall_s,
-         child_state, age) = stats
+         child_state, age, counters, keys) = stats
+        if counters is not None:
+            s.counters = counters
+        if keys is not None:  # rows its fetch_fun filtered: recorded as done (feeder.sources.transform)
+            self.source.record_filtered(len(keys), keys)
         s.cpu_wall_s = max(0.0, wall_s - s.parked_s(time.monotonic()))  # the child's clock runs while parked
         s.rows = max(s.rows, rows)
         w.child_state = child_state
@@ -720,6 +728,14 @@ class ProcFetchers:
                 return
 
     # ---- introspection --------------------------------------------------------------------
+    def counters(self) -> Dict[str, float]:
+        """The fetch_fun's ``feeder_counters`` as the worker processes last reported them, added up."""
+        out: Dict[str, float] = {}
+        for w in self._workers:
+            for k, v in w.state.counters.items():
+                out[k] = out.get(k, 0.0) + float(v)
+        return out
+
     def _live(self) -> List[_Worker]:
         return [w for w in self._workers if w.process is not None and w.state.thread is not None
                 and w.state.thread.is_alive() and w.chan is not None]

@@ -3,26 +3,27 @@
 Usage::
 
     feeder predict MODEL DATA OUTPUT [--batch-size N] [--outputs a,b] [--keep id] [--processes N]
-                   [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--identity content]
-                   [--shard env|RANK/WORLD] [--provider cpu|cuda|cuda:N] [--s3-endpoint URL] [--overwrite]
-                   [--no-progress]
+                   [--threads N] [--replicas N] [--rows-per-file N] [--cast] [--columns X=f0,f1]
+                   [--squeeze] [--order] [--identity content] [--shard env|RANK/WORLD]
+                   [--provider cpu|cuda|cuda:N] [--s3-endpoint URL] [--overwrite] [--no-progress]
 
 DATA is a Parquet file or folder, read with a ``ParquetSource`` whose columns are the model's
-inputs plus the kept ones (columns named like them). DATA and OUTPUT are local paths or URIs
-(``s3://bucket/prefix``, ``gs://...``, ``file://...``, fsspec URIs); ``--s3-endpoint URL`` sends
-``s3://`` ones to an S3-compatible server (MinIO, a local test server), as ``AWS_ENDPOINT_URL``
-does; credentials come from the environment. Prints one line: rows written, rows computed,
-seconds, rows/s. Exit status 0 on success; 2 for a refusal (bad arguments, a model or data file
-that cannot be read, an output that is refused or cannot be written, a full disk), one line on
-stderr in the command line's terms; 1 for a failure while running (the output stays resumable);
-130 on Ctrl-C (the output stays resumable).
+inputs plus the kept ones (columns named like them, unless ``--columns`` maps an input to a
+column or stacks scalar columns into it: ``X=f0,f1,f2`` or ``X=f*``). DATA and OUTPUT are local
+paths or URIs (``s3://bucket/prefix``, ``gs://...``, ``file://...``, fsspec URIs);
+``--s3-endpoint URL`` sends ``s3://`` ones to an S3-compatible server (MinIO, a local test
+server), as ``AWS_ENDPOINT_URL`` does; credentials come from the environment. Prints one line:
+rows written, rows computed, seconds, rows/s. Exit status 0 on success; 2 for a refusal (bad
+arguments, a model or data file that cannot be read, an output that is refused or cannot be
+written, a full disk), one line on stderr in the command line's terms; 1 for a failure while
+running (the output stays resumable); 130 on Ctrl-C (the output stays resumable).
 """
 from __future__ import annotations
 
 import argparse
 import re
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 
 def _split(values: Optional[Sequence[str]]) -> List[str]:
@@ -64,6 +65,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows-per-file", type=_count(1), default=262_144, help="rows per part file (default 262144)")
     p.add_argument("--cast", action="store_true", help="convert columns to the model's input types where that is "
                                                        "safe (float64 to float32, int64 to int32 when the values fit)")
+    p.add_argument("--columns", action="append", metavar="INPUT=COLUMNS",
+                   help="feed a model input from other columns: INPUT=name (one column of another name), or "
+                        "INPUT=a,b,c or INPUT=f* (scalar columns stacked into one [N, k] input, a pattern in the "
+                        "file's column order); repeat it for several inputs")
+    p.add_argument("--squeeze", action="store_true", help="write an output of shape [N, 1] as a plain column")
+    p.add_argument("--order", action="store_true", help="write the rows in the order of the input files (the "
+                                                        "replicas still run side by side)")
     p.add_argument("--identity", choices=("metadata", "content"), default="metadata",
                    help="how an input file is known again when a run continues: metadata (default: size, "
                         "modification time and footer) or content (a SHA-256 of its bytes, read whole: for data "
@@ -99,6 +107,8 @@ _CLI_TERMS: List[Tuple[str, Union[str, Callable[["re.Match[str]"], str]]]] = [
     (r"\bnum_worker_threads\b", "--threads"),
     (r"\breplicas=(\d+)", r"--replicas \1"),
     (r"\bcast=True", "--cast"),
+    (r"\bordered=True", "--order"),
+    (r"\bsqueeze=True", "--squeeze"),
     (r"\bidentity=['\"](\w+)['\"]", r"--identity \1"),
     (r",? or pass filesystem=", ""),  # a Python caller's way out; the command line has --s3-endpoint for S3
     (r"\b(?:keep|outputs)=(\[[^\]]*\])", lambda m: f"--{m.group(0).split('=')[0]} {_names(m)}"),
@@ -114,6 +124,23 @@ def cli_terms(message: str) -> str:
     for pattern, repl in _CLI_TERMS:
         text = re.sub(pattern, repl, text)
     return text
+
+
+def parse_columns(values: Optional[Sequence[str]]) -> Dict[str, Union[str, List[str]]]:
+    """``--columns X=f0,f1 --columns id=key`` -> ``{"X": ["f0", "f1"], "id": "key"}``: one name
+    without a pattern is one column, several names (or a pattern) a stacked input."""
+    out: Dict[str, Union[str, List[str]]] = {}
+    for value in values or ():
+        name, sep, cols = value.partition("=")
+        names = [c.strip() for c in cols.split(",") if c.strip()]
+        if not sep or not name.strip() or not names:
+            raise ValueError(f"--columns takes INPUT=COLUMN[,COLUMN...] (or INPUT=PATTERN), got {value!r}")
+        name = name.strip()
+        if name in out:
+            raise ValueError(f"--columns names input {name!r} twice")
+        single = len(names) == 1 and not any(c in names[0] for c in "*?[")
+        out[name] = names[0] if single else names
+    return out
 
 
 def _exit_status(e: BaseException) -> Optional[int]:
@@ -156,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from feeder.sources import ParquetSource
 
     outputs = _split(args.outputs) or None
+    keep = _split(args.keep)
     try:
         data_fs = output_fs = None
         if args.s3_endpoint is not None:
@@ -164,12 +192,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             s3 = s3_filesystem(args.s3_endpoint)
             data_fs = s3 if split_uri(args.data)[0] == "s3" else None
             output_fs = s3 if split_uri(args.output)[0] == "s3" else None
-        source = ParquetSource(args.data, identity=args.identity, filesystem=data_fs, shard=_shard(args.shard))
-        result = feeder.predict(args.model, source, args.output, batch_size=args.batch_size, outputs=outputs,
-                                keep=_split(args.keep), replicas=args.replicas, num_worker_threads=args.threads,
+        model: Any = args.model
+        providers: Any = args.provider
+        columns = parse_columns(args.columns)
+        if columns:
+            # The source maps every input it feeds: the model's (known once it is loaded, here, once)
+            # and the kept ones, named like their columns unless --columns says otherwise.
+            from feeder.scoring.predictor import _open_model
+
+            model, _ = _open_model(args.model, providers)
+            providers = None  # the session runs where it was made
+            unknown = [n for n in columns if n not in [i.name for i in model.get_inputs()] + keep]
+            if unknown:
+                raise ValueError(f"--columns names {unknown}, which are neither inputs of the model "
+                                 f"({[i.name for i in model.get_inputs()]}) nor kept")
+            columns = {**{n: n for n in [i.name for i in model.get_inputs()] + keep}, **columns}
+        source = ParquetSource(args.data, columns=columns or None, identity=args.identity, filesystem=data_fs,
+                               shard=_shard(args.shard))
+        result = feeder.predict(model, source, args.output, batch_size=args.batch_size, outputs=outputs,
+                                keep=keep, replicas=args.replicas, num_worker_threads=args.threads,
                                 num_worker_processes=args.processes, rows_per_file=args.rows_per_file,
-                                cast=args.cast, overwrite=args.overwrite, filesystem=output_fs,
-                                progress=False if args.no_progress else None, providers=args.provider)
+                                cast=args.cast, ordered=args.order, squeeze=args.squeeze, overwrite=args.overwrite,
+                                filesystem=output_fs, progress=False if args.no_progress else None,
+                                providers=providers)
     except KeyboardInterrupt:
         print("feeder predict: interrupted; run the same command again to continue", file=sys.stderr)
         return 130

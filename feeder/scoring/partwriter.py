@@ -111,6 +111,7 @@ class PartWriter:
         self._failure: Optional[BaseException] = None
         self._aborted = False
         self.rows_added = 0        # rows handed to add() (computed)
+        self._next_seq = 0         # ordered adds: the place of the batch whose turn it is
         self.rows_committed = 0    # rows in parts this writer committed
         # writer thread only:
         self._writer: Any = None
@@ -126,11 +127,17 @@ class PartWriter:
     def failure(self) -> Optional[BaseException]:
         return self._failure
 
-    def add(self, columns: Sequence[np.ndarray], keys: Optional[np.ndarray]) -> None:
+    def add(self, columns: Sequence[np.ndarray], keys: Optional[np.ndarray], seq: Optional[int] = None) -> None:
         """Copy one batch's rows (``columns`` in ``names`` order, all with the same row count) and
-        their keys into the buffers; returns once the caller's arrays are no longer needed."""
+        their keys into the buffers; returns once the caller's arrays are no longer needed.
+        ``seq``: the batch's place in the sequence (0, 1, ...): it waits for the batches before it,
+        so that rows are written in sequence whichever thread runs which batch."""
         n = int(columns[0].shape[0]) if columns else 0
         with self._cond:
+            if seq is not None:
+                while self._next_seq != seq:
+                    self._raise_if_failed()
+                    self._cond.wait(SLICE_S)
             if self._layouts is None:
                 self._learn(columns)
             layouts = self._layouts
@@ -156,6 +163,9 @@ class PartWriter:
                     self._current = None
                     self._cond.notify_all()
             self.rows_added += n
+            if seq is not None:
+                self._next_seq = seq + 1
+                self._cond.notify_all()
 
     def _learn(self, columns: Sequence[np.ndarray]) -> None:
         if len(columns) != len(self.names):

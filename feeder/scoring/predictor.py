@@ -101,14 +101,18 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             cast: bool = False,
             providers: Any = None,
             filesystem: Any = None,
+            ordered: bool = False,
+            squeeze: bool = False,
             _durable: bool = True) -> PredictResult:
     """Run ``model`` over every row of ``source`` and write the outputs to Parquet part files in
     ``output``, every row exactly once even when a call is killed and called again.
 
     Calling it again with the same arguments after a crash continues where the last commit left
     off; on a finished output it returns at once (``rows_computed == 0``). Rows are written in no
-    particular order: keep an id to join them to their inputs. Needs pyarrow (the ``parquet``
-    extra). ``_durable=False`` skips the fsyncs and the per-part state (for benchmarks that
+    particular order (keep an id to join them to their inputs), unless ``ordered``. Rows a
+    source's ``filter`` drops are recorded as done in the output's state (``rows_filtered``), so
+    that the output is complete when committed + filtered rows make the source's rows. Needs
+    pyarrow (the ``parquet`` extra). ``_durable=False`` skips the fsyncs and the per-part state (for benchmarks that
     measure what the commits cost; not crash-safe). The output holds ``_SUCCESS`` exactly when
     it is complete.
 
@@ -148,6 +152,13 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             filesystem (``output`` is then a path in it, for S3 ``bucket/prefix``); None: from
             ``output`` itself (a local path, or a URI: ``s3://``, ``gs://``, an fsspec one). In an
             object store the parts are committed by replacing a manifest, ``_manifest.json``.
+        ordered: Write the rows in the source's order: part files in order, and rows within
+            each in order, are the source's rows in sequence (its files' order for an
+            unshuffled ``ParquetSource``). The source is read with ``ordered=True`` by one
+            registration; the ``replicas`` threads still run the model side by side, and the
+            writer puts their batches back in order. A continued output stays in order.
+        squeeze: Write a model output of shape ``[N, 1]`` as a plain column (one value per
+            row) instead of lists of one value.
 
     Returns:
         A :class:`PredictResult`: the rows in the output, those this call computed, the call's
@@ -169,15 +180,22 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     t0 = time.perf_counter()
     _import_pyarrow()
     _check_args(batch_size, rows_per_file, replicas, overwrite, progress)
+    for name, flag in (("ordered", ordered), ("squeeze", squeeze), ("cast", cast)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if not callable(source):
         raise TypeError(f"source must be a source of feeder.sources or a fetch function, got {type(source).__name__}")
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
     session, identity = _open_model(model, providers)
-    plan = _Plan.make(session, source, outputs, keep, batch_size)
+    plan = _Plan.make(session, source, outputs, keep, batch_size, ordered=ordered, squeeze=squeeze)
     fingerprint = {**model_signature(session), **identity}
-    options = {"outputs": plan.outputs, "keep": plan.keep}
+    options: Dict[str, Any] = {"outputs": plan.outputs, "keep": plan.keep}
+    if ordered:  # (only when set: outputs written before these options existed continue as they were)
+        options["ordered"] = True
+    if squeeze:
+        options["squeeze"] = True
     output = rank_output(output, source)
     out = _output(output, filesystem)
     _refuse_output_in_input(source, out)
@@ -286,6 +304,8 @@ class _Plan:
     outputs: List[str]
     keep: List[str]
     keyed: bool
+    ordered: bool = False
+    squeeze: bool = False
 
     @property
     def columns(self) -> List[str]:
@@ -294,7 +314,7 @@ class _Plan:
 
     @classmethod
     def make(cls, session: Any, source: Any, outputs: Optional[Sequence[str]], keep: Sequence[str],
-             batch_size: int) -> "_Plan":
+             batch_size: int, *, ordered: bool = False, squeeze: bool = False) -> "_Plan":
         model_inputs = [a.name for a in session.get_inputs()]
         model_outputs = {o.name: o for o in session.get_outputs()}
         out_names = list(model_outputs) if outputs is None else _names("outputs", outputs)
@@ -306,6 +326,14 @@ class _Plan:
         for n in out_names:
             o = model_outputs[n]
             kind = getattr(o, "type", None) or ""
+            if kind.startswith("seq(map("):
+                # skl2onnx's classifiers end with ZipMap: one {label: probability} map per row.
+                others = [m for m in model_outputs if m != n and (model_outputs[m].type or "").startswith("tensor(")]
+                raise ValueError(f"model output {n!r} is a {kind}: a sequence of maps, one per row (skl2onnx's "
+                                 f"ZipMap), which feeder.predict does not write. Convert the model with zipmap=False "
+                                 f"(skl2onnx: to_onnx(model, X, options={{'zipmap': False}})) to get the probabilities "
+                                 f"as one [N, classes] tensor, or leave this output out with outputs="
+                                 f"{others or '[...]'}")
             if not kind.startswith("tensor("):
                 raise ValueError(f"model output {n!r} is a {kind}, not a tensor: feeder.predict writes tensors "
                                  f"(choose them with outputs=)")
@@ -321,7 +349,7 @@ class _Plan:
             raise ValueError(f"{ROW_KEY!r} is reserved for feeder's row keys")
         feed_names = model_inputs + [k for k in kept if k not in model_inputs]
         _check_source_inputs(source, model_inputs, kept, feed_names)
-        adapter = PredictSession(session, feed_names, model_inputs, out_names, kept)
+        adapter = PredictSession(session, feed_names, model_inputs, out_names, kept, ordered=ordered)
         if adapter.fixed_batch is not None and batch_size != adapter.fixed_batch:
             raise ValueError(f"the model's batch dimension is fixed at {adapter.fixed_batch} rows; pass "
                              f"batch_size={adapter.fixed_batch} (a short last batch is padded, never dropped)")
@@ -336,7 +364,8 @@ class _Plan:
                 raise ValueError(f"model output {n!r} has shape {list(shape or ())}: its first dimension is fixed at "
                                  f"{first} ({batch}), so it is not one value per row (a reduction over the batch?); "
                                  f"feeder.predict writes per-row outputs (choose them with outputs=)")
-        return cls(adapter, feed_names, out_names, kept, bool(getattr(source, "feeder_row_keys", False)))
+        return cls(adapter, feed_names, out_names, kept, bool(getattr(source, "feeder_row_keys", False)),
+                   ordered=ordered, squeeze=squeeze)
 
 
 def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], feed_names: List[str]) -> None:
@@ -344,12 +373,25 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
     (a plain fetch function is checked at its first chunk, before the model runs)."""
     from ..sources.arrays import ArraySource
     from ..sources.parquet import ParquetSource
+    from ..sources.transform import TransformedSource
 
     names: Optional[List[str]] = None
     if isinstance(source, ArraySource) and source.names is not None:
         names = list(source.names)
     elif isinstance(source, ParquetSource) and source.columns is not None:
         names = list(source.columns)
+    elif isinstance(source, TransformedSource):
+        # Without a map, the columns it reads (every column of a ParquetSource with columns=None:
+        # those not fed are left out); with one, what the map returns, checked at the first chunk.
+        known = source.feeder_input_names()
+        missing = [n for n in model_inputs if known is not None and n not in known]
+        if missing:
+            raise ValueError(f"model input(s) {missing} are not inputs of the {type(source.wrapped).__name__} "
+                             f"(it has {known}); a filter passes its columns on as they are")
+        missing = [n for n in kept if known is not None and n not in known]
+        if missing:
+            raise ValueError(f"keep names {missing}, which are not inputs of the {type(source.wrapped).__name__} "
+                             f"(it has {known})")
     if names is not None:
         missing = [n for n in model_inputs if n not in names]
         if missing:
@@ -375,6 +417,7 @@ def rank_output(output: Any, source: Any) -> Any:
     (``shard=``), the rank's own: ``output`` with ``{rank}`` and ``{world}`` filled in, or else
     ``output/rank-RRRRR-of-WWWWW`` (so that ranks never write one folder, and the parent folder
     reads as one dataset of every rank's parts)."""
+    source = _wrapped(source)  # a map or filter of a sharded source is sharded the same way
     shard = getattr(source, "shard", None)
     if not isinstance(source, ShardedSource) or shard is None or shard[1] < 2:
         return output
@@ -407,6 +450,7 @@ def _refuse_output_in_input(source: Any, out: Output) -> None:
     by their URIs."""
     from ..sources.parquet import ParquetSource
 
+    source = _wrapped(source)
     if not isinstance(source, ParquetSource):
         return
     local = isinstance(out, OutputDir)
@@ -433,6 +477,13 @@ def _is_uri(path: str) -> bool:
     return split_uri(path)[0] is not None
 
 
+def _wrapped(source: Any) -> Any:
+    """The source a ``map``/``filter`` wraps (see ``feeder.sources.transform``), else ``source``."""
+    from ..sources.transform import TransformedSource
+
+    return source.wrapped if isinstance(source, TransformedSource) else source
+
+
 # ---- the job -----------------------------------------------------------------------------------------
 class _Job:
     """One call's work on one output directory: check and recover it, run, commit."""
@@ -447,6 +498,11 @@ class _Job:
         self.durable = durable
         self.parts: List[Dict[str, Any]] = []
         self.rows = 0
+        # Rows the source's filter dropped: done, never written. Their keys are in _ranges with the
+        # committed rows' (recorded at each commit from _filtered_keys, as the source's ledger got them).
+        self.filtered = 0
+        self._filtered_keys: List[np.ndarray] = []
+        self._filtered_lock = threading.Lock()
         self.resume: Optional[Dict[str, Any]] = None
         self._ranges = np.zeros((0, 2), np.int64)
         self._fresh = True
@@ -485,13 +541,16 @@ class _Job:
         self.rows = int(state["rows"])
         self.resume = state["source"]
         self._ranges = ranges_of(self.resume)
+        self.filtered = int(self.resume.get("rows_filtered", 0) or 0) if self.resume else 0
         self._fresh = False
         total = self._total()
-        if total is not None and self.rows > total:
-            raise ValueError(f"output {self.out.path!r} holds {self.rows} rows, more than this source's {total} "
-                             f"(fewer epochs?); pass overwrite=True to start afresh (it removes that output)")
+        if total is not None and self.rows + self.filtered > total:
+            raise ValueError(f"output {self.out.path!r} holds {self.rows} rows"
+                             + (f" and {self.filtered} filtered" if self.filtered else "")
+                             + f", more than this source's {total} (fewer epochs?); pass overwrite=True to start "
+                             f"afresh (it removes that output)")
         # Complete only while the source has no more rows: a source given more epochs continues.
-        finished = bool(state.get("complete")) and (total is None or self.rows == total)
+        finished = bool(state.get("complete")) and (total is None or self.rows + self.filtered == total)
         if finished and not found.success:
             self.out.write_marker(durable=self.durable)  # a crash between the final state and its marker
         return finished
@@ -554,10 +613,16 @@ class _Job:
         plan = self.plan
         coord = GlobalCoordinator()
         try:
-            for _ in range(replicas):  # registration checks everything the source and feeder can
+            # Registration checks everything the source and feeder can. Ordered: one registration,
+            # read in the source's order, whose batches the replica threads share (the writer puts
+            # them back in order); otherwise one registration per replica.
+            for _ in range(1 if plan.ordered else replicas):
                 init_data_input_workers(plan.adapter, plan.feed_names, self.source, batch_size,
                                         input_source_name=SOURCE_NAME, coordinator=coord, resume_from=self.resume,
-                                        **counts)
+                                        ordered=plan.ordered, **counts)
+            ledger = coord.get_queue(SOURCE_NAME, 1).row_keys
+            if ledger is not None:  # the keys of filtered rows, committed with the next part
+                ledger.on_filtered = self._note_filtered
         except BaseException:
             coord.stop()
             raise
@@ -569,6 +634,7 @@ class _Job:
             self.out.remove_marker(durable=self.durable)
             if self._fresh:
                 self.parts, self.rows, self._ranges = [], 0, np.zeros((0, 2), np.int64)
+                self.filtered = 0
                 self.out.write_state(self._state(complete=False), durable=self.durable)
             removed = self.out.recover({p["file"] for p in self.parts})
             if removed:
@@ -580,36 +646,53 @@ class _Job:
         except BaseException:
             coord.stop()
             raise
-        return _Replicas(coord, writer, plan, self._todo(), progress).run()
+        return _Replicas(coord, writer, plan, self._todo(), progress, replicas).run()
 
     def _total(self) -> Optional[int]:
         """The rows of the whole source, when it can tell (rows x epochs; a rank's share of them)."""
-        total = getattr(self.source, "feeder_total_rows", None)
-        if isinstance(self.source, ShardedSource) and total is not None:
+        source = _wrapped(self.source)
+        total = getattr(source, "feeder_total_rows", None)
+        if isinstance(source, ShardedSource) and total is not None:
             return cast(Optional[int], total())
         return None
 
     def _todo(self) -> Optional[int]:
-        """Rows still to compute, when the source can tell."""
+        """Rows still to compute or filter, when the source can tell."""
         total = self._total()
-        return None if total is None else max(0, total - self.rows)
+        return None if total is None else max(0, total - self.rows - self.filtered)
+
+    def _note_filtered(self, keys: np.ndarray) -> None:
+        """From the source's key ledger (any thread): keys of rows its filter dropped."""
+        with self._filtered_lock:
+            self._filtered_keys.append(np.array(keys, dtype=np.int64))
+
+    def _take_filtered(self) -> np.ndarray:
+        with self._filtered_lock:
+            keys, self._filtered_keys = self._filtered_keys, []
+        return np.concatenate(keys) if keys else np.zeros(0, np.int64)
 
     def _on_commit(self, part: Optional[CommittedPart], keys: Optional[np.ndarray], final: bool) -> None:
         """In the writer thread, once ``part`` is durable under its final name: record it in the state."""
         if part is not None:
             self.parts.append({"file": part.name, "rows": part.rows, "bytes": part.nbytes})
             self.rows += part.rows
-            if self.plan.keyed:
-                self._ranges, twice = merge_ranges(self._ranges, keys)
-                covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
-                if twice or covered != self.rows:  # a bug, never a user's error: refuse to commit it
-                    raise FeederError(f"feeder.predict: the committed parts hold {self.rows} rows but their row keys "
-                                      f"cover {covered} ({twice} twice); the output is left at its last commit")
+        if self.plan.keyed and (part is not None or final):
+            # The rows filtered so far are done too (they will never be written): committed with this part.
+            filtered = self._take_filtered()
+            self.filtered += len(filtered)
+            done = filtered if keys is None else np.concatenate([keys, filtered])
+            self._ranges, twice = merge_ranges(self._ranges, done)
+            covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
+            if twice or covered != self.rows + self.filtered:  # a bug, never a user's error: refuse to commit it
+                raise FeederError(f"feeder.predict: the committed parts hold {self.rows} rows and {self.filtered} were "
+                                  f"filtered, but their row keys cover {covered} ({twice} twice); the output is left "
+                                  f"at its last commit")
         if final:
             expected = self._todo()
             if expected is not None and expected != 0:
-                raise FeederError(f"feeder.predict: the source ended with {self.rows} rows committed, "
-                                  f"{expected} short of its {self._total()} rows")
+                raise FeederError(f"feeder.predict: the source ended with {self.rows} rows committed"
+                                  + (f" and {self.filtered} filtered" if self.filtered else "")
+                                  + f", {expected} short of its {self._total()} rows")
         if self.durable or final:
             self.out.write_state(self._state(complete=final), durable=self.durable)
         if final:
@@ -618,10 +701,13 @@ class _Job:
     def _state(self, complete: bool) -> Dict[str, Any]:
         src = None
         if self.plan.keyed:
-            src = source_state(SOURCE_NAME, KeyLedger(SOURCE_NAME, self._ranges), self.source)
-        return {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
-                "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
-                "source": src}
+            src = source_state(SOURCE_NAME, KeyLedger(SOURCE_NAME, self._ranges, self.filtered), self.source)
+        state = {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
+                 "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
+                 "source": src}
+        if self.filtered:
+            state["rows_filtered"] = self.filtered
+        return state
 
 
 def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any]) -> List[str]:
@@ -660,26 +746,31 @@ class _Replicas:
     """The replica threads, the calling thread's watch over them, and the end of a run."""
 
     def __init__(self, coord: GlobalCoordinator, writer: PartWriter, plan: _Plan, todo: Optional[int],
-                 progress: Optional[bool]):
+                 progress: Optional[bool], replicas: int = 1):
         self.coord = coord
         self.writer = writer
         self.plan = plan
         self.todo = todo
         self.progress = progress
+        self.replicas = replicas
         self.errors: List[BaseException] = []
         self.wake = threading.Event()
 
     def _replica(self, feed: Any) -> None:
-        writer, keyed = self.writer, self.plan.keyed
+        writer, plan = self.writer, self.plan
+        n_out, n_keep = len(plan.outputs), len(plan.keep)
         try:
             while True:
                 try:
                     got = feed.run()
                 except StopIteration:
                     return
-                # outputs, kept, keys -> the part's columns (kept first), copied before the next run
-                n_out = len(self.plan.outputs)
-                writer.add(got[n_out:-1] + got[:n_out], got[-1] if keyed else None)
+                # outputs, kept, keys[, seq] -> the part's columns (kept first), copied before the next run
+                outs = got[:n_out]
+                if plan.squeeze:
+                    outs = [g.reshape(len(g)) if g.ndim == 2 and g.shape[1] == 1 else g for g in outs]
+                keys = got[n_out + n_keep] if plan.keyed else None
+                writer.add(got[n_out:n_out + n_keep] + outs, keys, got[-1] if plan.ordered else None)
         except BaseException as e:  # re-raised by the calling thread
             self.errors.append(e)
         finally:
@@ -693,8 +784,9 @@ class _Replicas:
         try:
             coord.start()
             feeds = coord.feeds(SOURCE_NAME)
+            consumers = feeds * self.replicas if self.plan.ordered else feeds  # ordered: one feed, shared
             threads = [threading.Thread(target=self._replica, args=(f,), name=f"feeder:{SOURCE_NAME}:replica-{i}",
-                                        daemon=True) for i, f in enumerate(feeds)]
+                                        daemon=True) for i, f in enumerate(consumers)]
             for t in threads:
                 t.start()
             bar = _progress_bar(self.progress, self.todo)

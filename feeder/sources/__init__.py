@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import ROW_KEY, ShardedSource, SourceBinding
+from .base import ROW_KEY, SKIP, ShardedSource, SourceBinding
 from .sharding import merge_states
 
-_LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray"}
+_LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray",
+         "TransformedSource": ".transform"}
 
-__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "ShardedSource", "SourceBinding",
-           "merge_states"]
+__all__ = ["ArraySource", "ParquetSource", "RayDataSource", "ROW_KEY", "SKIP", "ShardedSource", "SourceBinding",
+           "TransformedSource", "merge_states"]
 
 
 def __getattr__(name: str) -> Any:

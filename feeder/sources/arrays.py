@@ -79,6 +79,15 @@ class ArraySource(ShardedSource):
         self.block_rows = int(block_rows)
         self._init_units([min(self.block_rows, n - s) for s in range(0, n, self.block_rows)])
 
+    def _check_transformable(self) -> None:
+        if self.names is None:
+            raise TypeError("ArraySource: map and filter see the arrays by name; give them as a dict "
+                            "(name -> array), not a list")
+
+    def _transform_columns(self) -> List[str]:
+        assert self.names is not None  # _check_transformable
+        return list(self.names)
+
     def _label(self, i: int) -> str:
         return repr(self.names[i]) if self.names is not None else f"#{i}"
 

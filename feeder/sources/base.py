@@ -15,6 +15,16 @@ may have these optional methods; the coordinator calls them:
 * ``feeder_release()``: in ``stop()`` / ``stop_coordinator(name)`` once the source's threads were
   signalled: close files, drop iterators.
 * ``feeder_describe() -> str``: a short phrase for FeedTimeout and diagnose messages.
+* ``feeder_counters(worker_ids) -> Dict[str, float]``: cumulative counters of the given workers
+  (rows filtered, seconds in transforms, retries), as counted in the process that calls it.
+  In thread mode each feed asks for its worker ids whenever it reports metrics; in process mode
+  each worker process asks for its own id with every message it sends the parent, which keeps
+  the latest figures per worker and adds them up. Whatever keys a source reports appear in
+  ``feed.metrics()``.
+
+What a call may return beyond a chunk (see the contract's "Chunks"): :data:`SKIP`, nothing this
+time and no warning (a unit whose rows were all filtered out); in an ordered source it takes
+that worker's turn in the round-robin, so that the chunk sequence stays the sequence of units.
 
 What a call may raise: ``StopIteration`` (this worker has no more data); an
 :class:`~feeder.errors.InputValidationError` for bad data (a null in a column, a file that
@@ -41,9 +51,9 @@ import bisect
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +66,31 @@ ROW_KEY = "__feeder_row_key__"
 """The reserved input name of the int64 row-key column a resumable source appends to each chunk."""
 
 STATE_FORMAT = "feeder.source-state/1"
+
+if TYPE_CHECKING:
+    from .transform import TransformedSource
+
+
+class _Skip:
+    """The type of :data:`SKIP` (one instance per process; compared by identity)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SKIP"
+
+    def __reduce__(self) -> str:
+        return "SKIP"  # unpickles as this module's own SKIP
+
+
+SKIP = _Skip()
+"""What a fetch call may return for "nothing this time, on purpose": no warning, no chunk; an
+ordered source's round-robin counts it as that worker's turn (a unit whose rows a ``filter``
+dropped, see :mod:`feeder.sources.transform`)."""
+
+# What a source's filtered rows are handed to in the process that runs the source's feeds:
+# on_filtered(rows, their row keys or None).
+FilteredSink = Callable[[int, Optional[np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -73,6 +108,13 @@ class SourceBinding:
             of the first registration with ``num_worker_processes``), or None when only threads
             call it; state that those processes must share (a counter) is made from it in
             ``feeder_bind``.
+        on_filtered: ``on_filtered(rows, keys)``: where a source hands the rows it dropped on
+            purpose (their count, and their row keys or None), in this process; None in a
+            worker process (a source there reports them with ``feeder_filtered_keys``). Not
+            picklable: a source keeps it out of its pickled state.
+        specs: What the sessions declare for each of ``input_names``
+            (:class:`~feeder.validation.InputSpec`: dtype, shape), or empty when unknown.
+        cast: Whether the registrations convert safe dtype mismatches (``cast=True``).
     """
 
     source_name: str
@@ -81,6 +123,17 @@ class SourceBinding:
     ordered: bool
     resume: Optional[Dict[str, Any]] = None
     mp_context: Optional[BaseContext] = None
+    on_filtered: Optional[FilteredSink] = field(default=None, compare=False, repr=False)
+    specs: Tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    cast: bool = field(default=False, compare=False)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["on_filtered"] = None  # the feeds' ledger stays in the process that runs them
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     @property
     def worker_ids(self) -> Tuple[int, ...]:
@@ -116,9 +169,17 @@ def bind_sources(all_feeds: Sequence[Any], pending: Sequence[Any]) -> None:
                               f"shards rows between every registration, so register every replica before start()")
         resume = next((f.resume_from for f in feeds if getattr(f, "resume_from", None) is not None), None)
         context = next((f.mp_context for f in feeds if getattr(f, "mp_context", None) is not None), None)
+        queue = feeds[0].source
+        names = tuple(feeds[0].input_names)
+        validator = getattr(queue, "validator", None)
+        specs: Tuple[Any, ...] = ()
+        if validator is not None:
+            declared = dict(zip(validator.names, validator._declared))
+            specs = tuple(declared[n] for n in names if n in declared)
         binding = SourceBinding(source_name=name, replicas=tuple(tuple(f.worker_ids) for f in feeds),
-                                input_names=tuple(feeds[0].input_names), ordered=bool(feeds[0].source.ordered),
-                                resume=resume, mp_context=context)
+                                input_names=names, ordered=bool(queue.ordered), resume=resume, mp_context=context,
+                                on_filtered=getattr(queue, "record_filtered", None), specs=specs,
+                                cast=bool(getattr(validator, "cast", False)))
         bind(binding)
 
 
@@ -148,8 +209,65 @@ def describe_source(fetch_fun: Any) -> Optional[str]:
         return f"feeder_describe() raised {type(e).__name__}: {e}"
 
 
+# ---- transforms -------------------------------------------------------------------------------
+class Transformable:
+    """``map`` and ``filter`` for the ready-made sources (see :mod:`feeder.sources.transform`)."""
+
+    def map(self, fn: Callable[[Dict[str, np.ndarray]], Mapping[str, np.ndarray]]) -> "TransformedSource":
+        """A new source whose rows are ``fn`` of this one's, computed where the fetch runs.
+
+        ``fn`` gets a chunk as ``{column: array}`` (every column this source reads, the row
+        keys left out) and returns ``{name: array}`` with the same number of rows along axis 0:
+        those names are the source's inputs from then on. It runs in the fetcher thread or
+        worker process that reads the chunk (it travels there with cloudpickle: lambdas work),
+        on a chunk of any number of rows (a part of a unit after a resume): it must treat rows
+        independently for a resume to be exact. Sharding, shuffling, ``state_dict`` and
+        ``resume_from`` and ``feeder.predict``'s exactly-once are kept.
+
+        Args:
+            fn: ``fn({column: array}) -> {name: array}``, the same number of rows.
+
+        Returns:
+            A :class:`~feeder.sources.transform.TransformedSource`; chain ``map`` and ``filter``
+            on it.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or this source cannot name its columns.
+        """
+        return self._transformed("map", fn)
+
+    def filter(self, pred: Callable[[Dict[str, np.ndarray]], Any]) -> "TransformedSource":
+        """A new source without the rows for which ``pred`` is False: rows dropped on purpose.
+
+        ``pred`` gets a chunk as ``{column: array}`` (as :meth:`map`'s ``fn`` does) and returns
+        a bool mask of its rows (True: keep). Dropped rows are counted (``rows_filtered`` in
+        ``feed.metrics()``, ``source_rows_filtered`` in the ledger) and recorded as done in the
+        source's checkpoints, so that a resume does not read them again and a state stays
+        small; they are never confused with lost rows.
+
+        Args:
+            pred: ``pred({column: array}) -> bool array`` of the chunk's length.
+
+        Returns:
+            A :class:`~feeder.sources.transform.TransformedSource`.
+
+        Raises:
+            TypeError: ``pred`` is not callable, or this source cannot name its columns.
+        """
+        return self._transformed("filter", pred)
+
+    def _transformed(self, kind: str, fn: Any) -> "TransformedSource":
+        from .transform import TransformedSource
+        return TransformedSource(self, ((kind, fn),))
+
+    def _transform_columns(self) -> List[str]:
+        """The names a transform's functions see: every column this source reads (at
+        registration; a ValueError for a column it lacks)."""
+        raise NotImplementedError
+
+
 # ---- sharded sources -----------------------------------------------------------------------
-class ShardedSource:
+class ShardedSource(Transformable):
     """A finite table of rows cut into units of work, dealt to workers, with per-epoch
     shuffling, epochs, row keys and exact resume. Subclasses give the unit sizes
     (``_unit_rows``) and read rows (``_read``); they are picklable fetch functions.

@@ -13,6 +13,7 @@ hide each request's latency, the next units of the sequence read ahead on a smal
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import logging
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..errors import InputValidationError
 from ..storage import Retry, RetryCounts, Store, is_io_failure, is_transient, map_bounded, resolve, retrying
+from ..validation import can_cast
 from .arrow import import_pyarrow, to_numpy
 from .base import ShardedSource, SourceBinding
 from .readahead import Readahead
@@ -45,6 +47,12 @@ COALESCE_BYTES = 8 << 20   # adjacent row groups of one object read in one reque
 READAHEAD_BYTES = 256 << 20  # readahead_bytes=None: bytes (decoded) read ahead and not yet taken, at most
 OPEN_HANDLES = 64          # objects kept open per source (and process), least recently used closed first
 PRE_BUFFER = True          # a row group's column chunks fetched in few coalesced, concurrent requests
+GLOB_CHARS = "*?["
+# Stacking scalar columns into an [N, k] input fills the output in blocks of rows of about this
+# many bytes, column by column: each block stays in cache while its k columns are written.
+STACK_BLOCK_BYTES = 256 << 10
+
+Columns = Mapping[str, Union[str, Sequence[str]]]
 
 
 def _as_list(paths: Union[PathLike, Sequence[PathLike]]) -> List[str]:
@@ -121,12 +129,43 @@ class ParquetSource(ShardedSource):
     (or is truncated) is a ValueError naming it at creation, and an InputValidationError naming
     it and the row group at a read.
 
+    Tabular data: an input may take a list of scalar columns, ``columns={"X": ["f0", "f1"]}``,
+    stacked into one ``[N, k]`` input in that order (the output is allocated once and filled
+    column by column; with ``cast=True`` at registration the columns are converted to the
+    model's type as they are copied, with the same checks as the validator's casts). A name with
+    ``*``, ``?`` or ``[`` that is not a column is a glob pattern, expanded in the order of the
+    first file's schema (``{"X": "f*"}`` or ``{"X": ["a", "f*"]}`` stack what they match). A
+    single scalar column feeding a model input of shape ``[N, 1]`` is reshaped to it (no copy).
+
+    Conversion to numpy: numeric columns without nulls are not copied (read-only views of
+    Arrow's buffers), fixed-size lists (nested too), fixed-shape tensors and lists that all
+    have one length become n-d arrays, strings become str arrays. A null in a used column is an
+    InputValidationError naming it; a column that is missing is a ValueError at registration
+    (at creation when ``columns`` is given).
+
+    What a checkpoint must match (``feeder_definition``) is one record per file (its name, row
+    count, size in bytes, version and a fingerprint of its footer: schema, row groups and, for
+    the used columns, their Arrow types, the column chunks' statistics and sizes), plus the used
+    columns' Arrow types. ``identity`` says what a file's version is: ``"metadata"`` (the
+    default) its modification time (ns), so that nothing but the footers is read, and a file
+    whose modification time moved is another file, even when touched or copied with the same
+    contents; ``"content"`` a SHA-256 of its bytes, read whole when the source is created (and
+    again when a file's size or modification time moved), for data copied between machines,
+    whose time stamps do not survive. A file that changes after the source was created is a
+    ValueError at ``start()`` or an InputValidationError at the first read of it, naming the
+    file. A file that is not Parquet (or is truncated) is a ValueError naming it at creation,
+    and an InputValidationError naming it and the row group at a read.
+
+    With ``map`` or ``filter`` (see :mod:`feeder.sources.transform`), the functions see the
+    inputs ``columns`` maps, or with ``columns=None`` every column of the files.
+
     Args:
         paths: A Parquet file, a folder (its ``.parquet`` and ``.parq`` files, recursively,
             in sorted order), or a list of files and folders; each a local path or a URI
             (``s3://bucket/prefix/``, ``gs://...``, ``file:///...``, an fsspec URI), or a path
             on ``filesystem``.
-        columns: ``{input name: column name}``; None: the columns named like the inputs.
+        columns: ``{input name: column name}``, or a list of scalar columns (or glob patterns)
+            to stack into one ``[N, k]`` input; None: the columns named like the inputs.
         shuffle: Shuffle the row groups and the rows within each, per epoch, from ``seed``.
         seed: The shuffle's seed (an int >= 0).
         epochs: Passes over the rows (>= 1); None repeats forever.
@@ -160,7 +199,7 @@ class ParquetSource(ShardedSource):
         TypeError: A bad argument type.
     """
 
-    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Mapping[str, str]] = None, *,
+    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Columns] = None, *,
                  shuffle: bool = False, seed: int = 0, epochs: Optional[int] = 1, identity: str = "metadata",
                  filesystem: Any = None, retries: int = 5, readahead: Optional[int] = None,
                  readahead_bytes: Optional[int] = None, shard: Any = None, equal_steps: bool = False,
@@ -169,8 +208,8 @@ class ParquetSource(ShardedSource):
                          shuffle_window=shuffle_window)
         import_pyarrow()
         if columns is not None and not isinstance(columns, Mapping):
-            raise TypeError(f"columns must be a dict of input name -> column name or None, "
-                            f"got {type(columns).__name__}")
+            raise TypeError(f"columns must be a dict of input name -> column name (or list of column names) or "
+                            f"None, got {type(columns).__name__}")
         if not isinstance(identity, str):
             raise TypeError(f"identity must be one of {IDENTITIES}, got {type(identity).__name__}")
         if identity not in IDENTITIES:
@@ -181,13 +220,13 @@ class ParquetSource(ShardedSource):
         if readahead_bytes is not None and _count("readahead_bytes", readahead_bytes) < 1:
             raise ValueError(f"readahead_bytes must be >= 1 or None, got {readahead_bytes}")
         self.identity = identity
-        self.columns: Optional[Dict[str, str]] = dict(columns) if columns is not None else None
+        given = _column_spec(columns) if columns is not None else None
         self._retry = Retry(attempts=retries)
         self._counts = RetryCounts()
         self._active = False  # between feeder_bind and feeder_release: a readahead pool may start
         self._reset_io()
-        given = _as_list(paths)
-        located = [resolve(p, filesystem) for p in given]
+        given_paths = _as_list(paths)
+        located = [resolve(p, filesystem) for p in given_paths]
         # Per file: (where it is shown and what it is, the name recorded in a state): a local file's
         # path and its name relative to the folder given; an object's URI, twice.
         self.files: List[Tuple[str, str]] = []
@@ -251,9 +290,59 @@ class ParquetSource(ShardedSource):
                     self._unit_at.append((i, rg))
         self._file_rows = [sum(g) for g in self._groups]
         self._init_units(units)
-        if self.columns is not None:
-            self._check_columns(list(self.columns.values()))
+        # input name -> column name, or the list of scalar columns stacked into it (globs expanded)
+        self.columns: Optional[Dict[str, Union[str, List[str]]]] = None
+        if given is not None:
+            self.columns = self._expand(given)
+            self._check_columns(self._flat(self.columns))
+        # Set at bind from what the sessions declare: the dtype each stacked input is cast to as
+        # it is filled (cast=True), and the inputs of shape [N, 1] fed by one scalar column.
+        self._targets: Dict[str, np.dtype] = {}
+        self._as_column: Set[str] = set()
         self._handles: Dict[int, Tuple[int, Any]] = {}  # worker id -> (file index, open ParquetFile)
+
+    def _expand(self, given: Dict[str, Union[str, List[str]]]) -> Dict[str, Union[str, List[str]]]:
+        """Glob patterns (a name with ``*?[`` that is not a column) replaced by the columns they
+        match, in the order of the first file's schema: a pattern always makes a stacked input."""
+        schema = list(self._fields[0]) if self._fields else []
+        out: Dict[str, Union[str, List[str]]] = {}
+        for name, col in given.items():
+            items = [col] if isinstance(col, str) else col
+            expanded: List[str] = []
+            globbed = False
+            for item in items:
+                if item not in schema and any(c in item for c in GLOB_CHARS):
+                    found = [c for c in schema if fnmatch.fnmatchcase(c, item)]
+                    if not found:
+                        raise ValueError(f"ParquetSource: the pattern {item!r} (input {name!r}) matches no column of "
+                                         f"{self.files[0][0]!r} (its columns: {schema})")
+                    expanded += found
+                    globbed = True
+                else:
+                    expanded.append(item)
+            twice = sorted({c for c in expanded if expanded.count(c) > 1})
+            if twice:
+                raise ValueError(f"ParquetSource: input {name!r} names column(s) {twice} more than once")
+            out[name] = expanded if (globbed or not isinstance(col, str)) else expanded[0]
+        return out
+
+    @staticmethod
+    def _flat(columns: Mapping[str, Union[str, List[str]]]) -> List[str]:
+        """Every column name used, once each, in order."""
+        out: List[str] = []
+        for col in columns.values():
+            for c in ([col] if isinstance(col, str) else col):
+                if c not in out:
+                    out.append(c)
+        return out
+
+    def _transform_columns(self) -> List[str]:
+        """What ``map`` and ``filter`` functions see: the inputs ``columns`` maps, or with
+        ``columns=None`` every column of the files (of the first file's schema; every file must
+        have them)."""
+        if self.columns is not None:
+            return list(self.columns)
+        return list(self._fields[0]) if self._fields else []
 
     def _reset_io(self) -> None:
         """What reading from a store holds in one process: open objects, the readahead pool, the
@@ -360,7 +449,7 @@ class ParquetSource(ShardedSource):
         """
         if self.columns is None:
             self._check_columns(input_names)
-            self.columns = {n: n for n in input_names}
+            self.columns = {n: n for n in input_names}  # (a str each: no stacking)
         else:
             unknown = [n for n in input_names if n not in self.columns]
             extra = [n for n in self.columns if n not in input_names]
@@ -375,7 +464,7 @@ class ParquetSource(ShardedSource):
     # ---- what a state must match ----
     def _used(self) -> Tuple[str, ...]:
         if self.columns is not None:
-            return tuple(self.columns.values())
+            return tuple(self._flat(self.columns))
         return tuple(self._fields[0]) if self._fields else ()
 
     def _fingerprint(self) -> List[str]:
@@ -410,7 +499,8 @@ class ParquetSource(ShardedSource):
                        "footer": prints[i]}
                       for i, ((_, name), rows) in enumerate(zip(self.files, self._file_rows))]
         d["columns"] = self.columns
-        d["dtypes"] = {name: " | ".join(sorted({f[col] for f in self._fields if col in f}))
+        d["dtypes"] = {name: " | ".join(sorted({f[c] for f in self._fields for c in ([col] if isinstance(col, str)
+                                                                                      else col) if c in f}))
                        for name, col in (self.columns or {c: c for c in self._used()}).items()}
         return d
 
@@ -482,6 +572,13 @@ class ParquetSource(ShardedSource):
             changed = self._changed(index) if self._stores[index].local else None
             if changed is not None:
                 raise ValueError(f"source {binding.source_name!r}: {changed}")
+        self._targets, self._as_column = {}, set()
+        for name, spec in zip(binding.input_names, binding.specs):
+            col = (self.columns or {}).get(name)
+            if isinstance(col, list) and binding.cast and spec.dtype is not None and not spec.is_string:
+                self._targets[name] = np.dtype(spec.dtype)
+            if isinstance(col, str) and spec.shape is not None and len(spec.shape) == 2 and spec.shape[1] == 1:
+                self._as_column.add(name)
         super().feeder_bind(binding)
         self._active = True
 
@@ -560,7 +657,7 @@ class ParquetSource(ShardedSource):
         assert self.columns is not None  # set at registration
         pf = self._file(worker_id, index)
         try:
-            return pf.read_row_group(rg, columns=list(self.columns.values()))
+            return pf.read_row_group(rg, columns=self._flat(self.columns))
         except (import_pyarrow().ArrowException, OSError) as e:
             raise _read_error(e, f"Parquet file {self.files[index][0]!r}, row group {rg}") from e
 
@@ -572,7 +669,7 @@ class ParquetSource(ShardedSource):
         index = self._unit_at[units[0]][0]
         rgs = [self._unit_at[u][1] for u in units]
         assert self.columns is not None  # set at registration
-        cols = list(self.columns.values())
+        cols = self._flat(self.columns)
         pa = import_pyarrow()
         shown = self.files[index][0]
         where = f"Parquet file {shown!r}, row group{'s' if len(rgs) > 1 else ''} {', '.join(map(str, rgs))}"
@@ -769,7 +866,6 @@ class ParquetSource(ShardedSource):
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         index, rg = self._unit_at[unit]
         assert self.columns is not None  # set at registration
-        cols = list(self.columns.values())
         table = self._row_group(unit, worker_id)
         n = int(self._units[unit])
         if table.num_rows != n:  # changed under an open handle: never a short or mixed chunk
@@ -777,10 +873,62 @@ class ParquetSource(ShardedSource):
                                        f"created: row group {rg} has {table.num_rows} rows, it had {n}")
         whole = len(rows) == n and (n < 2 or (rows[0] == 0 and bool((np.diff(rows) == 1).all())))
         out = []
-        for name, col in zip(self.columns, cols):
+        for name, col in self.columns.items():
+            if not isinstance(col, str):
+                out.append(self._stack(table, name, col, None if whole else rows, index, rg))
+                continue
             where = f"column {col!r} (input {name!r}) of {self.files[index][0]!r}, row group {rg}"
             a = to_numpy(table.column(col), where)
-            out.append(a if whole else a[rows])
+            a = a if whole else a[rows]
+            if name in self._as_column and isinstance(a, np.ndarray) and a.ndim == 1:
+                a = a.reshape(len(a), 1)  # a view: the model's input is [N, 1]
+            out.append(a)
+        return out
+
+    def _stack(self, table: Any, name: str, cols: List[str], rows: Optional[np.ndarray], index: int,
+               rg: int) -> np.ndarray:
+        """Scalar columns ``cols`` as one ``[N, k]`` array (``rows`` of them, in that order, or all):
+        allocated once and filled block of rows by block, column by column, converted to the
+        model's type as it is copied when ``cast=True`` asked for it (checked as the validator
+        checks its casts: no finite value may overflow, integers must fit)."""
+        path = self.files[index][0]
+        parts = []
+        for c in cols:
+            where = f"column {c!r} (input {name!r}) of {path!r}, row group {rg}"
+            a = to_numpy(table.column(c), where)
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "biuf":
+                what = ("rows of different lengths" if not isinstance(a, np.ndarray) else
+                        f"dtype {a.dtype}" if a.ndim == 1 else f"shape {a.shape} per chunk")
+                raise InputValidationError(f"{where}: a stacked input takes scalar numeric columns, this one has "
+                                           f"{what}; name it alone (columns={{{name!r}: {c!r}}}) or leave it out")
+            parts.append((c, a))
+        dtype = np.result_type(*(a.dtype for _, a in parts))
+        target = self._targets.get(name)
+        if target is not None and all(can_cast(a.dtype, target) for _, a in parts):
+            dtype = target
+            for c, a in parts:  # integers narrowed must fit (as the validator's cast checks)
+                if dtype.kind in "iu" and a.dtype.kind in "iu" and a.size and not np.can_cast(a.dtype, dtype):
+                    info = np.iinfo(dtype)
+                    lo, hi = a.min(), a.max()
+                    if lo < info.min or hi > info.max:
+                        raise InputValidationError(f"column {c!r} (input {name!r}) of {path!r}, row group {rg}: "
+                                                   f"values in [{lo}, {hi}] do not fit {dtype}")
+        n = len(parts[0][1]) if rows is None else len(rows)
+        out = np.empty((n, len(parts)), dtype)
+        step = max(1, STACK_BLOCK_BYTES // max(1, len(parts) * dtype.itemsize))
+        j = 0
+        try:
+            with np.errstate(over="raise"):
+                for lo in range(0, n, step):
+                    hi = min(n, lo + step)
+                    block = out[lo:hi]
+                    picked = None if rows is None else rows[lo:hi]
+                    for j, (_, a) in enumerate(parts):
+                        block[:, j] = a[lo:hi] if picked is None else a[picked]
+        except FloatingPointError:
+            raise InputValidationError(f"column {parts[j][0]!r} (input {name!r}) of {path!r}, row group {rg}: "
+                                       f"finite values that do not fit {dtype} (at most "
+                                       f"{float(np.finfo(dtype).max):g} in magnitude)") from None
         return out
 
 
@@ -803,6 +951,23 @@ class _Failed:
 
     def __init__(self, error: BaseException):
         self.error = error
+
+
+def _column_spec(columns: Mapping[Any, Any]) -> Dict[str, Union[str, List[str]]]:
+    """``columns`` checked: input name -> a column name, or a non-empty list of them."""
+    out: Dict[str, Union[str, List[str]]] = {}
+    for name, col in columns.items():
+        if not isinstance(name, str):
+            raise TypeError(f"columns maps input names (str) to columns, got the key {name!r}")
+        if isinstance(col, str):
+            out[name] = col
+        elif isinstance(col, (list, tuple)) and col and all(isinstance(c, str) for c in col):
+            out[name] = list(col)
+        else:
+            raise TypeError(f"columns[{name!r}] must be a column name or a non-empty list of column names, "
+                            f"got {col!r}")
+    return out
+
 
 
 def _count(name: str, value: Any) -> int:

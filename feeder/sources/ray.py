@@ -63,7 +63,7 @@ import numpy as np
 from ..errors import FeederError, InputValidationError
 from ..fetchers import join_all
 from .arrow import to_numpy
-from .base import ROW_KEY, SourceBinding
+from .base import ROW_KEY, SourceBinding, Transformable
 
 log = logging.getLogger("feeder")
 
@@ -231,7 +231,7 @@ def _schema_names(schema: Any) -> Optional[List[str]]:
     return [str(n) for n in names] if names else None
 
 
-class RayDataSource:
+class RayDataSource(Transformable):
     """A fetch function reading a ``ray.data.Dataset``: one ``streaming_split`` shard per replica.
 
     Use fetcher threads with it (``num_worker_processes`` is a TypeError at registration); it
@@ -388,6 +388,17 @@ class RayDataSource:
                 f"stall_timeout={self.stall_timeout:g} s (Ray cannot run the pipeline now: resources no node has, "
                 f"or a cluster busy with other work). The columns are checked at registration so that a missing "
                 f"one is found before start(); give the source a larger stall_timeout if the first block is slow")
+
+    def _transform_columns(self) -> List[str]:
+        """What ``map`` and ``filter`` functions see: the inputs ``columns`` maps, or with
+        ``columns=None`` every column of the dataset (learned as at registration)."""
+        if self.columns is not None:
+            return list(self.columns)
+        names = self._learn_names()
+        if not names:
+            raise ValueError("RayDataSource: map and filter see every column of the dataset when columns=None, "
+                             "but its columns cannot be learned before it runs; give columns={input: column}")
+        return list(names)
 
     def _check_columns(self, pairs: Sequence[Tuple[str, str]]) -> None:
         """ValueError naming a column the inputs need that the dataset lacks (see _learn_names)."""
