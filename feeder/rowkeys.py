@@ -33,7 +33,7 @@ from .validation import InputSpec
 
 log = logging.getLogger("feeder")
 
-COMPACT_KEYS = 1 << 16  # recorded keys merged into the ranges once this many are pending
+COMPACT_KEYS = 1 << 16  # recorded runs of keys merged into the ranges once this many are pending
 
 
 def with_row_keys(names: Sequence[str], specs: Sequence[InputSpec], axes: Sequence[int]
@@ -52,6 +52,19 @@ def public_names(names: Sequence[str]) -> List[str]:
 def split_keys(arrays: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], np.ndarray]:
     """(the inputs, the row keys) of a batch whose last array holds the keys."""
     return list(arrays[:-1]), arrays[-1]
+
+
+def one_run(keys: np.ndarray) -> Optional[np.ndarray]:
+    """``keys`` as one ``[start, stop)`` range, shape (1, 2), when they are consecutive in the order
+    given (a batch cut from one stretch of a unit: the common case, told without a pass of Python);
+    else None."""
+    n = len(keys)
+    if n == 0:
+        return None
+    first, last = int(keys[0]), int(keys[-1])
+    if last - first != n - 1 or (n > 2 and not bool((np.diff(keys) == 1).all())):
+        return None
+    return np.array([[first, last + 1]], dtype=np.int64)
 
 
 def merge_ranges(ranges: np.ndarray, keys: Optional[np.ndarray] = None) -> Tuple[np.ndarray, int]:
@@ -86,7 +99,8 @@ class KeyLedger:
         self.source = source
         self._lock = threading.Lock()
         self._ranges = np.zeros((0, 2), np.int64) if ranges is None else merge_ranges(ranges)[0]
-        self._pending: List[np.ndarray] = []
+        self._pending: List[np.ndarray] = []       # keys recorded, not yet merged into the ranges
+        self._pending_runs: List[np.ndarray] = []  # ... and batches of consecutive keys, as ranges
         self._pending_n = 0
         self.duplicates = 0
         self.filtered = int(filtered)
@@ -109,9 +123,16 @@ class KeyLedger:
         keys = getattr(item, "keys", None)
         if keys is None:
             return
+        # Outside the lock (it is the consumer's path): a batch of consecutive keys is kept as its
+        # range; others as a copy of their keys (the batch buffer is reused), sorted when merged.
+        run = one_run(keys)
+        kept = run if run is not None else np.array(keys, dtype=np.int64)
         with self._lock:
-            self._pending.append(np.array(keys, dtype=np.int64))  # a copy: the batch buffer is reused
-            self._pending_n += len(keys)
+            if run is not None:
+                self._pending_runs.append(run)
+            else:
+                self._pending.append(kept)
+            self._pending_n += len(kept)
             if self._pending_n >= COMPACT_KEYS:
                 self._compact()
 
@@ -130,10 +151,11 @@ class KeyLedger:
             listener(keys)
 
     def _compact(self) -> None:
-        if self._pending:
-            keys = np.concatenate(self._pending)
-            self._pending, self._pending_n = [], 0
-            self._ranges, dup = merge_ranges(self._ranges, keys)
+        if self._pending or self._pending_runs:
+            ranges = np.concatenate([self._ranges] + self._pending_runs) if self._pending_runs else self._ranges
+            keys = np.concatenate(self._pending) if self._pending else None
+            self._pending, self._pending_runs, self._pending_n = [], [], 0
+            self._ranges, dup = merge_ranges(ranges, keys)
             if dup:
                 self.duplicates += dup
                 log.error("source %r: row ledger does not balance: %d row key(s) were delivered twice",

@@ -538,3 +538,31 @@ def test_resume_from_on_a_plain_fetch_function_is_refused_at_registration(coord)
     with pytest.raises(ValueError, match="resume_from needs a source that can resume"):
         feeder.init_data_input_workers(None, ["x"], Recorder(), 4, coordinator=coord,
                                        resume_from={"format": "feeder.source-state/1"})
+
+
+@pytest.mark.ledger_may_fail  # keys recorded twice on purpose: the ledger logs each
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(st.integers(0, 60), max_size=120), cuts=st.lists(st.integers(1, 12), min_size=1, max_size=20),
+       sort_some=st.booleans())
+def test_the_key_ledger_records_runs_and_keys_alike(keys, cuts, sort_some):
+    """Batches of consecutive keys are kept as ranges, others as keys: either way the ledger holds
+    exactly the keys recorded, and counts every key recorded twice."""
+    from collections import Counter as C
+
+    from feeder.rowkeys import KeyLedger
+
+    class Batch:
+        def __init__(self, k):
+            self.keys = np.asarray(k, dtype=np.int64)
+
+    if sort_some:
+        keys = sorted(keys)
+    ledger = KeyLedger("t")
+    at, i = 0, 0
+    while at < len(keys):
+        n = cuts[i % len(cuts)]
+        ledger.record(Batch(keys[at:at + n]))
+        at, i = at + n, i + 1
+    got = {k for a, b in ledger.ranges().tolist() for k in range(a, b)}
+    assert got == set(keys)
+    assert ledger.duplicates == sum(c - 1 for c in C(keys).values())
