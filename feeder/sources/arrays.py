@@ -155,6 +155,14 @@ class ArraySource(ShardedSource):
         state["arrays"] = [a.open() if isinstance(a, FileRegion) else a for a in state["arrays"]]
         super().__setstate__(state)
 
+    gathers_rows = True  # a shuffle window keeps row indices, not rows (ShardedSource._from_window)
+
+    def _gather(self, rows: np.ndarray) -> List[np.ndarray]:
+        """The arrays of the table's rows ``rows`` (indices in the whole table, in that order):
+        one gather per input (a memory-mapped one reads just those rows). ``np.take`` along axis 0
+        rather than ``a[rows]``: the same copy, 2-3x faster for rows of many values."""
+        return [np.take(a, rows, axis=0) for a in self.arrays]
+
     def _read(self, unit: int, rows: np.ndarray, worker_id: int) -> List[np.ndarray]:
         start = int(self._offsets[unit])
         n = int(self._units[unit])
@@ -164,4 +172,4 @@ class ArraySource(ShardedSource):
         lo = int(rows.min())
         hi = int(rows.max()) + 1
         # take the block's span once, then gather: one sequential read of a memory-mapped file
-        return [np.asarray(a[start + lo:start + hi])[rows - lo] for a in self.arrays]
+        return [np.take(np.asarray(a[start + lo:start + hi]), rows - lo, axis=0) for a in self.arrays]

@@ -647,7 +647,10 @@ class ShardedSource(Transformable):
         return self._next_unit(worker_id)
 
     def _from_window(self, worker_id: int) -> List[np.ndarray]:
-        """A draw from this worker's shuffle window (feeder.sources.window), topped up first."""
+        """A draw from this worker's shuffle window (feeder.sources.window), topped up first. A
+        source that can gather rows by their index in the table (``gathers_rows``: arrays in memory
+        or mapped) keeps only each row's index and key in the window, and gathers the draw from its
+        arrays: one copy of each row, as a shuffled unit costs; others keep the rows themselves."""
         window = self._windows.get(worker_id)
         if window is None:
             binding = self._binding
@@ -655,23 +658,46 @@ class ShardedSource(Transformable):
             rng = np.random.default_rng([self.seed, 2, worker_id])
             # shuffle_window rows in all, split between the source's workers (each its own window)
             window = self._windows[worker_id] = ShuffleWindow(max(1, (self.shuffle_window or 1) // workers), rng)
+        by_index = self.gathers_rows
         last = 0
         while window.wants_more():
             try:
-                arrays = self._next_unit(worker_id, stored_order=True)
+                unit, rows, keys = self._next_rows(worker_id, stored_order=True)
             except StopIteration:
                 window.ended = True
                 break
-            last = len(arrays[-1])
-            window.add(arrays)
+            last = len(keys)
+            if by_index:
+                window.add([rows + int(self._offsets[unit]), keys])
+            else:
+                window.add(self._read(unit, rows, worker_id) + [keys])
         if not window.rows:
             raise StopIteration
-        return window.take(last or int(self._units.max()))
+        drawn = window.take(last or int(self._units.max()))
+        if by_index:
+            return self._gather(drawn[0]) + [drawn[1]]
+        return drawn
 
-    def _next_unit(self, worker_id: int, stored_order: bool = False) -> List[np.ndarray]:
-        """The next unit of this worker's sequence: its arrays and row keys. ``stored_order``: its
-        rows in the order they are stored (a read without a gather), keys still by shuffled order
-        (for the shuffle window, which mixes them anyway)."""
+    # True for a source whose rows can be gathered by their index in the table (``_gather``:
+    # ArraySource); otherwise rows are read unit by unit only (``_read``).
+    gathers_rows = False
+
+    def _gather(self, rows: np.ndarray) -> List[np.ndarray]:
+        """The arrays (one per input) of the table's rows ``rows`` (indices in the whole table, in
+        the order to return them); for sources with ``gathers_rows``."""
+        raise NotImplementedError
+
+    def _next_unit(self, worker_id: int) -> List[np.ndarray]:
+        """The next unit of this worker's sequence: its arrays, then its row keys."""
+        unit, rows, keys = self._next_rows(worker_id)
+        arrays = self._read(unit, rows, worker_id)
+        arrays.append(keys)
+        return arrays
+
+    def _next_rows(self, worker_id: int, stored_order: bool = False) -> Tuple[int, np.ndarray, np.ndarray]:
+        """(unit, the rows of it to read, their keys) of the next unit of this worker's sequence.
+        ``stored_order``: the rows in the order they are stored (a read without a gather), keys
+        still by shuffled order (for the shuffle window, which mixes them anyway)."""
         where = self._locate(self._take(worker_id))
         if where is None:
             raise StopIteration
@@ -688,13 +714,11 @@ class ShardedSource(Transformable):
             if stored_order and len(rows) > 1:
                 by_row = np.argsort(rows, kind="stable")
                 rows, positions = rows[by_row], positions[by_row]
-        arrays = self._read(unit, rows, worker_id)
         # A key numbers a row by its place in its unit's (shuffled) order, not by its row index:
         # rows are delivered in that order, so what a consumer got of a unit is a few key ranges
         # (not one range per row, as shuffled row indices would give) and a state stays small.
         keys = positions + (epoch * self.rows + int(self._offsets[unit]))
-        arrays.append(keys)
-        return arrays
+        return unit, rows, keys
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
