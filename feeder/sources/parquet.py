@@ -879,7 +879,8 @@ class ParquetSource(ShardedSource):
                 continue
             where = f"column {col!r} (input {name!r}) of {self.files[index][0]!r}, row group {rg}"
             a = to_numpy(table.column(col), where)
-            a = a if whole else a[rows]
+            if not whole:  # np.take: the same gather as a[rows], 2-3x faster for rows of many values
+                a = np.take(a, rows, axis=0) if isinstance(a, np.ndarray) else a[rows]
             if name in self._as_column and isinstance(a, np.ndarray) and a.ndim == 1:
                 a = a.reshape(len(a), 1)  # a view: the model's input is [N, 1]
             out.append(a)
