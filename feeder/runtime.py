@@ -314,15 +314,7 @@ class Runner:
         tkey = (key, tuple(names))
         template = self._templates.get(tkey) if self._bind_ahead else None
         if where == "host" and not self._graph:  # the common case first
-            if template is None:
-                for name in names:
-                    binding.bind_output(name)
-                return
-            outs = self._take_outputs(tkey, template)
-            from_numpy = self._ort.OrtValue.ortvalue_from_numpy
-            for name, buf in zip(names, outs):
-                binding.bind_ortvalue_output(name, from_numpy(buf))
-            batch.outputs = outs
+            self._bind_host_outputs(binding, batch, names, tkey, template)
             return
         slot = batch.slot
         if self._graph and slot is not None and slot.index >= 0 and template is not None:
@@ -340,6 +332,12 @@ class Runner:
             for name in names:
                 binding.bind_output(name, *self._out_device)
             return
+        self._bind_host_outputs(binding, batch, names, tkey, template)
+
+    def _bind_host_outputs(self, binding: Any, batch: PreparedBatch, names: List[str], tkey: Any,
+                           template: Optional["Template"]) -> None:
+        """Bind ``names`` to host buffers of a reused ring when their shapes are known for these
+        input shapes (``template``), else to ONNX Runtime's allocator (the run teaches the shapes)."""
         if template is None:
             for name in names:
                 binding.bind_output(name)

@@ -40,6 +40,23 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 log = logging.getLogger("feeder")
 
+
+def sha256_of(f: Any, block: int = 1 << 20) -> str:
+    """SHA-256 of what a binary file object reads, in blocks of ``block`` bytes (hashlib releases
+    the GIL on each)."""
+    h = hashlib.sha256()
+    while True:
+        data = f.read(block)
+        if not data:
+            return h.hexdigest()
+        h.update(data)
+
+
+def sha256_file(path: str) -> str:
+    """SHA-256 of a local file's bytes."""
+    with open(path, "rb") as f:
+        return sha256_of(f)
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -325,14 +342,8 @@ class FileSystemStore(Store):
             f.close()
 
     def sha256(self, path: str) -> str:
-        h = hashlib.sha256()
         with self.fs.open_input_stream(path) as f:
-            while True:
-                block = f.read(8 << 20)
-                if not block:
-                    break
-                h.update(block)
-        return h.hexdigest()
+            return sha256_of(f, 8 << 20)
 
     # -- writing (feeder.predict's output) --
     def listdir(self, prefix: str) -> Dict[str, Tuple[bool, int]]:

@@ -19,6 +19,8 @@ import mmap
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ..storage import sha256_file
+
 # Which fields of which ONNX message hold messages that may hold tensors (field number -> kind),
 # from onnx.proto (checked against onnx's own descriptors in tests/test_predict.py).
 _CHILDREN: Dict[str, Dict[int, str]] = {
@@ -100,14 +102,6 @@ def external_data_locations(buf: Any) -> List[str]:
     return list(found)
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _locations_in_file(path: str) -> List[str]:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
@@ -138,7 +132,7 @@ def model_identity(path: Optional[str] = None, data: Optional[bytes] = None) -> 
         except NotAModel:
             locations = []  # the session loaded it, whatever it is: identified by its bytes alone
     elif path is not None:
-        digest = _sha256_file(path)
+        digest = sha256_file(path)
         folder = os.path.dirname(os.path.abspath(path))
         try:
             locations = _locations_in_file(path)
@@ -152,7 +146,7 @@ def model_identity(path: Optional[str] = None, data: Optional[bytes] = None) -> 
         for location in locations:
             where = os.path.normpath(os.path.join(folder, location))
             try:
-                external[location] = _sha256_file(where)
+                external[location] = sha256_file(where)
             except OSError as e:
                 raise ValueError(f"the model's external data file {location!r} ({where}) cannot be read "
                                  f"({type(e).__name__}: {e.strerror or e}); feeder.predict records the model's weights "

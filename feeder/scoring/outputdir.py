@@ -83,6 +83,15 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def refuse_foreign(path: str, found: "Listing", things: str, place: str) -> None:
+    """ValueError if an output (a directory of ``files``, a prefix of ``objects``) holds anything
+    feeder.predict did not write: it is never deleted, so the output is refused as it is."""
+    if found.foreign:
+        shown = found.foreign[:5] + (["..."] if len(found.foreign) > 5 else [])
+        raise ValueError(f"output {path!r} holds {things} that feeder.predict did not write ({shown}); "
+                         f"use an empty or new {place} (nothing was changed)")
+
+
 @dataclass
 class Listing:
     """What a scan of the output directory found, by kind (file names, not paths)."""
@@ -159,10 +168,7 @@ class OutputDir:
 
     def refuse_foreign(self, found: "Listing") -> None:
         """ValueError if the directory holds anything we did not write (we never delete it)."""
-        if found.foreign:
-            shown = found.foreign[:5] + (["..."] if len(found.foreign) > 5 else [])
-            raise ValueError(f"output {self.path!r} holds files that feeder.predict did not write ({shown}); "
-                             f"use an empty or new directory (nothing was changed)")
+        refuse_foreign(self.path, found, "files", "directory")
 
     # ---- reading ------------------------------------------------------------------------------
     def scan(self) -> Listing:

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import FeederError
 from ..storage import FileSystemStore, Retry, retrying
-from .outputdir import Listing
+from .outputdir import Listing, refuse_foreign
 
 MANIFEST_NAME = "_manifest.json"
 SUCCESS_NAME = "_SUCCESS"
@@ -124,10 +124,7 @@ class StoreOutput:
 
     def refuse_foreign(self, found: Listing) -> None:
         """ValueError if the prefix holds anything we did not write (we never delete it)."""
-        if found.foreign:
-            shown = found.foreign[:5] + (["..."] if len(found.foreign) > 5 else [])
-            raise ValueError(f"output {self.path!r} holds objects that feeder.predict did not write ({shown}); "
-                             f"use an empty or new prefix (nothing was changed)")
+        refuse_foreign(self.path, found, "objects", "prefix")
 
     # ---- reading ----------------------------------------------------------------------------------
     def scan(self) -> Listing:

@@ -25,7 +25,17 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tup
 import numpy as np
 
 from ..errors import InputValidationError
-from ..storage import Retry, RetryCounts, Store, is_io_failure, is_transient, map_bounded, resolve, retrying
+from ..storage import (
+    Retry,
+    RetryCounts,
+    Store,
+    is_io_failure,
+    is_transient,
+    map_bounded,
+    resolve,
+    retrying,
+    sha256_file,
+)
 from ..validation import can_cast
 from .arrow import import_pyarrow, to_numpy
 from .base import ShardedSource, SourceBinding
@@ -378,7 +388,7 @@ class ParquetSource(ShardedSource):
         if store.local:
             stamp = _stamp(path)
             meta = _read_footer(pa, path)
-            return stamp, meta, _sha256(path) if self.identity == "content" else None
+            return stamp, meta, sha256_file(path) if self.identity == "content" else None
 
         def once() -> Tuple[Tuple[int, str], Any]:
             f = store.open_input(path)  # type: ignore[attr-defined]
@@ -402,7 +412,7 @@ class ParquetSource(ShardedSource):
     def _hash(self, index: int, worker: Optional[int]) -> str:
         store, path = self._stores[index], self._paths[index]
         if store.local:
-            return _sha256(path)
+            return sha256_file(path)
         return self._io(lambda: store.sha256(path), f"hashing {self.files[index][0]!r}", worker)  # type: ignore
 
     def _footer(self, index: int, worker: Optional[int]) -> Any:
@@ -1020,15 +1030,6 @@ def _read_error(e: BaseException, where: str) -> Exception:
         failed.feeder_transient = is_transient(e)  # type: ignore[attr-defined]
         return failed
     return InputValidationError(f"{where} cannot be read (damaged or truncated?): {type(e).__name__}: {text}")
-
-
-def _sha256(path: str) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB blocks; hashlib releases the GIL on each)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _stamp(path: str) -> Tuple[int, str]:
