@@ -545,3 +545,31 @@ def test_a_window_held_by_a_parked_auto_worker_is_still_delivered(monkeypatch):
     finally:
         coord.stop()
     assert Counter(rows) == Counter({r: 2 for r in range(5000)})
+
+
+def test_merged_states_of_a_filtered_source_count_delivered_and_filtered_rows_once():
+    """A filter's dropped rows are in a state's ranges and counted apart (rows_filtered): merging
+    the ranks' states counts each once, a rank resumed from the merge and merged again too."""
+    def make(r, w):
+        return ArraySource({"x": np.arange(600)}, shuffle=True, seed=2, block_rows=25,
+                           shard=(r, w)).filter(lambda c: c["x"] % 5 != 0)
+
+    delivered, states = [], []
+    for r in range(3):
+        rows, state, _ = run(make(r, 3), take=4, batch_size=10)
+        delivered += rows
+        states.append(state)
+    merged = merge_states(states)
+    assert merged["rows_delivered"] == len(delivered)
+    assert merged["rows_filtered"] == sum(s.get("rows_filtered", 0) for s in states)
+    second, states2 = [], []
+    for r in range(2):
+        rows, state, _ = run(make(r, 2), take=3, batch_size=10, resume=merged)
+        second += rows
+        states2.append(state)
+    again = merge_states(states2)
+    assert again["rows_delivered"] == len(delivered) + len(second)
+    third = []
+    for r in range(4):
+        third += run(make(r, 4), batch_size=10, resume=again)[0]
+    assert Counter(delivered + second + third) == Counter(i for i in range(600) if i % 5)

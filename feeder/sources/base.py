@@ -333,6 +333,7 @@ class ShardedSource(Transformable):
         self.shuffle_window: Optional[int] = None if shuffle_window is None else int(shuffle_window)
         self._rank: Optional[RankPlan] = None  # set at bind when sharded over more than one rank
         self._basis = np.zeros((0, 2), np.int64)  # the complete state's ranges the rank plan starts from
+        self._basis_filtered = 0  # ... and how many of its rows were filtered (map/filter), not delivered
         self._walk: Optional[PieceWalk] = None
         self._windows: Dict[int, ShuffleWindow] = {}  # worker id -> its window (shuffle_window)
         self._binding: Optional[SourceBinding] = None
@@ -540,6 +541,11 @@ class ShardedSource(Transformable):
         if resume is not None:
             check_state(resume, self._definition())
         rank, basis = self._rank_plan(binding.source_name, resume)
+        record = shard_of(resume) if resume is not None else None
+        basis_filtered = 0
+        if resume is not None and len(basis):
+            basis_filtered = (int(resume.get("rows_filtered", 0) or 0) if is_complete(record)
+                              else int((record or {}).get("basis_filtered", 0) or 0))
         with self._lock:
             self._binding = binding
             self._cursors = {}
@@ -550,6 +556,7 @@ class ShardedSource(Transformable):
             if not binding.ordered and binding.mp_context is not None:
                 self._shared = binding.mp_context.Value("q", 0)
             self._rank, self._basis, self._walk = rank, basis, None
+            self._basis_filtered = basis_filtered
             self._windows = {}
             self._plan_sequence(basis if len(basis) else None)
 
@@ -597,7 +604,7 @@ class ShardedSource(Transformable):
         if self.shard is None or self.shard[1] < 2:
             return None
         return {"world": self.shard[1], "ranks": [self.shard[0]],
-                "basis": [[int(a), int(b)] for a, b in self._basis]}
+                "basis": [[int(a), int(b)] for a, b in self._basis], "basis_filtered": self._basis_filtered}
 
     def feeder_release(self) -> None:
         """At ``stop()``: forget the workers' cursors and the shared counter."""

@@ -183,13 +183,20 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
                              f"rows those ranks delivered would be delivered again")
         merged_rec = {"world": world, "ranks": list(range(world))}
     ranges, _ = merge_ranges(np.concatenate([ranges_of(s) for s in states]))
+    # Rows a filter dropped (map/filter sources): their keys are in the ranges too. Each rank's
+    # count includes those of the basis it started from (a merged state every rank resumed from):
+    # those are counted once.
+    basis = [int((r or {}).get("basis_filtered", 0) or 0) for r in records]
+    filtered = max(basis, default=0) + sum(int(s.get("rows_filtered", 0) or 0) - b for s, b in zip(states, basis))
     out: Dict[str, Any] = {
         "format": STATE_FORMAT,
         "source": first.get("source"),
         "definition": first.get("definition") or {},
-        "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()),
+        "rows_delivered": int((ranges[:, 1] - ranges[:, 0]).sum()) - filtered,
         "delivered": [[int(a), int(b)] for a, b in ranges],
     }
+    if filtered:
+        out["rows_filtered"] = filtered
     if merged_rec is not None:
         out["shard"] = merged_rec
     return out
