@@ -235,7 +235,7 @@ def test_a_changed_object_is_refused_naming_it_at_resume_and_at_read(s3):
                                                               r"created \((\d+ -> \d+ bytes, )?other schema or "
                                                               r"column statistics"):
             src(0, 4)
-        assert src.feeder_counters() == {"source_retries": 0.0, "source_retries_exhausted": 0.0}
+        assert src.feeder_counters() == {"retries": 0.0, "retries_exhausted": 0.0}
     finally:
         src.feeder_release()
 
@@ -265,15 +265,15 @@ def test_one_request_in_ten_failing_is_survived_by_retries_and_counted(s3, caplo
     assert Counter(ids_of(got).tolist()) == Counter({i: 2 for i in range(n)})
     assert server.failed >= 5, server.failed
     counts = src.feeder_counters()
-    assert counts["source_retries"] >= server.failed - 2 and counts["source_retries_exhausted"] == 0, counts
+    assert counts["retries"] >= server.failed - 2 and counts["retries_exhausted"] == 0, counts
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "retry 1 of 5" in r.getMessage()]
     assert debug and all(re.search(r"SLOW_DOWN|SERVICE_UNAVAILABLE|HTTP status 503", m) for m in debug), debug
     assert any(f"s3://{bucket}/data/" in m and "row group" in m for m in debug), debug  # naming what was read
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "retried" in r.getMessage()]
     assert info and re.search(r"\d+ transient storage failure\(s\) retried", info[-1])
     # per worker: the fetchers' own (and the readahead's on their behalf), not the creation's
-    workers = src.feeder_counters([0, 1, 2])["source_retries"]
-    assert 0 < workers <= counts["source_retries"]
+    workers = src.feeder_counters([0, 1, 2])["retries"]
+    assert 0 < workers <= counts["retries"]
 
 
 def test_failures_beyond_the_retries_are_fetch_errors_that_max_fetch_errors_may_tolerate(s3):
@@ -288,11 +288,11 @@ def test_failures_beyond_the_retries_are_fetch_errors_that_max_fetch_errors_may_
     assert time.monotonic() - t0 < 10
     cause = info.value.__cause__
     assert isinstance(cause, OSError) and "f0.parquet', row group" in str(cause), cause
-    assert src.feeder_counters()["source_retries_exhausted"] >= 1
+    assert src.feeder_counters()["retries_exhausted"] >= 1
     # tolerated: every unit skipped, counted as fetch errors, the source ends
     server.faults(next=10**6, methods={"GET"})
     got, _ = consume(tolerant, workers=1, max_fetch_errors=10)
-    assert got == [] and tolerant.feeder_counters()["source_retries_exhausted"] == 5
+    assert got == [] and tolerant.feeder_counters()["retries_exhausted"] == 5
 
 
 def test_permanent_failures_are_not_retried(s3):
@@ -311,7 +311,7 @@ def test_permanent_failures_are_not_retried(s3):
         fs.delete_file(f"{bucket}/data/f0.parquet")
         with pytest.raises(feeder.InputValidationError, match="cannot be read any more .*FileNotFoundError"):
             src(0, 4)
-        assert src.feeder_counters()["source_retries"] == 0
+        assert src.feeder_counters()["retries"] == 0
     finally:
         src.feeder_release()
 
@@ -397,8 +397,8 @@ def test_feeder_counters_before_anything_ran_and_bad_options(s3):
     _, fs, bucket = s3
     dataset(fs, bucket, files=1)
     src = ParquetSource(f"{bucket}/data", filesystem=fs)
-    assert src.feeder_counters() == {"source_retries": 0.0, "source_retries_exhausted": 0.0}
-    assert src.feeder_counters([0, 1]) == {"source_retries": 0.0, "source_retries_exhausted": 0.0}
+    assert src.feeder_counters() == {"retries": 0.0, "retries_exhausted": 0.0}
+    assert src.feeder_counters([0, 1]) == {"retries": 0.0, "retries_exhausted": 0.0}
     for bad, err in (({"retries": -1}, ValueError), ({"retries": 1.5}, TypeError), ({"readahead": -2}, ValueError),
                      ({"readahead_bytes": 0}, ValueError), ({"readahead": True}, TypeError)):
         with pytest.raises(err):

@@ -316,7 +316,7 @@ def test_a_fetch_functions_counters_reach_metrics_in_threads_and_processes(mode)
         feed = coord.feed("train")
         assert len(list(feed)) == 10
         m = feed.metrics()
-    assert m["source_retries"] == 10.0 and m["rows_filtered"] == 0.0
+    assert m["retries"] == 10.0 and m["rows_filtered"] == 0.0
 
 
 def test_skip_pickles_as_itself():

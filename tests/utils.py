@@ -471,14 +471,14 @@ class TinyThenBlock:
 
 class CountingSource:
     """A fetch function with ``feeder_counters`` (what issue 28's retries use): each call counts one
-    "source_retries" for its worker, in the process it runs in; ``chunks`` calls per worker."""
+    "retries" for its worker, in the process it runs in; ``chunks`` calls per worker."""
 
     def __init__(self, chunks: int = 5):
         self.chunks = chunks
         self.done: dict = {}
 
     def feeder_counters(self, worker_ids):
-        return {"source_retries": float(sum(self.done.get(w, 0) for w in worker_ids)), "rows_filtered": 0.0}
+        return {"retries": float(sum(self.done.get(w, 0) for w in worker_ids)), "rows_filtered": 0.0}
 
     def __call__(self, worker_id: int, batch_size: int):
         n = self.done.get(worker_id, 0)

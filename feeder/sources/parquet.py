@@ -428,8 +428,8 @@ class ParquetSource(ShardedSource):
         return self._io(once, f"reading the footer of {shown!r}", worker)
 
     def feeder_counters(self, worker_ids: Optional[Sequence[int]] = None) -> Dict[str, float]:
-        """This source's counters for those workers (in this process): ``source_retries``,
-        transient storage failures retried; ``source_retries_exhausted``, reads that still failed
+        """This source's counters for those workers (in this process): ``retries``,
+        transient storage failures retried; ``retries_exhausted``, reads that still failed
         after every retry (each then a fetch error). None: every worker, and creating and starting
         the source.
 
@@ -437,10 +437,12 @@ class ParquetSource(ShardedSource):
             worker_ids: The worker ids to count, or None for all.
 
         Returns:
-            ``{"source_retries": n, "source_retries_exhausted": m}``.
+            ``{"retries": n, "retries_exhausted": m}``.
         """
         retries, exhausted = self._counts.total(None if worker_ids is None else list(worker_ids))
-        return {"source_retries": float(retries), "source_retries_exhausted": float(exhausted)}
+        # Not "source_..." names: those are the source's own figures, which PrometheusLogger takes
+        # from one feed; these are the feed's workers', summed over a source's replicas.
+        return {"retries": float(retries), "retries_exhausted": float(exhausted)}
 
     def _check_columns(self, wanted: Sequence[str]) -> None:
         for (path, _), fields in zip(self.files, self._fields):
