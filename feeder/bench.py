@@ -333,7 +333,7 @@ def make_session(model: str, provider: Optional[str] = None) -> Any:
 
     providers = providers_for(provider)
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1  # leave the other cores to the fetchers (see README)
+    opts.intra_op_num_threads = 1  # leave the other cores to the fetchers (see docs/concepts.md)
     opts.inter_op_num_threads = 1
     return ort.InferenceSession(model, opts, providers=providers if providers is not None else default_providers())
 

@@ -184,7 +184,7 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
     """The JSON-serializable state of a source: its definition and the key ranges delivered."""
     if ledger is None:
         raise ValueError(f"source {name!r} cannot be checkpointed: its fetch_fun gives no row keys (use a source "
-                         f"from feeder.sources, or see 'Checkpoint and resume' in the README)")
+                         f"from feeder.sources, or see 'Checkpoint and resume' in the guide, docs/sources.md)")
     definition = getattr(fetch_fun, "feeder_definition", None)
     shard = getattr(fetch_fun, "feeder_shard_record", None)
     ranges, filtered = ledger.snapshot()
