@@ -114,6 +114,33 @@ def test_worker_processes_send_ragged_rows_through_shared_memory(coord, mode):
     assert sorted(seen) == list(range(80))
 
 
+def tokens_of_ids(cols):
+    """A map that makes ragged rows: the tokens of each row id (rows of 0-6 values)."""
+    return {"tokens": [row_values(int(k)) for k in cols["id"]], "id": cols["id"]}
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_a_map_may_make_the_ragged_rows_of_a_padded_input(coord, mode, with_mask):
+    # The registration's inputs gain the masks that padding makes; the map is asked only for what
+    # the fetch returns (it used to be asked for "tokens_mask" too: InputValidationError).
+    from feeder.sources import ArraySource
+
+    src = ArraySource({"id": np.arange(90)}, shuffle=True, seed=4).map(tokens_of_ids)
+    session = _session(mask_model("tokens_mask" if with_mask else None))
+    feeder.init_data_input_workers(session, None, src, 8, coordinator=coord, pad={"tokens": 0}, length_window=24,
+                                   **workers(mode, 2))
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        assert feed.input_names == ["tokens", "id", "tokens_mask"]
+        out, ids = feed.run()
+        np.testing.assert_array_equal(out, expected_sums(ids))
+        seen += ids.tolist()
+        for batch in feed:
+            seen += check(batch)
+    assert sorted(seen) == list(range(90))
+
+
 def test_the_chunk_from_a_worker_process_arrives_as_values_and_offsets():
     # What crosses the process boundary: one values array and the rows' starts and shapes, in the
     # slot (never a pickled list of rows).
