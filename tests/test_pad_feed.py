@@ -455,6 +455,50 @@ def test_a_ragged_parquet_column_feeds_a_padded_input_exactly_once(coord, ragged
 
 
 @pytest.mark.parquet
+def test_a_shuffle_window_mixes_ragged_rows_of_a_parquet_list_column(coord, tmp_path, mode):
+    # The window holds a padded input's rows one by one (a Ragged, or a plain array when a row
+    # group's rows happen to agree); it used to fail every fetch with a TypeError.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from feeder.sources import ParquetSource
+
+    n = 420  # row group g of 30 rows: rows of 3 values in even groups, of k % 7 values in odd ones
+    lengths = [3 if (k // 30) % 2 == 0 else k % 7 for k in range(n)]
+    rows = [[k * 100 + 1 + j for j in range(length)] for k, length in enumerate(lengths)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int64())), "id": np.arange(n)}),
+                   str(tmp_path / "t.parquet"), row_group_size=30)
+    src = ParquetSource(str(tmp_path / "t.parquet"), shuffle=True, seed=2, shuffle_window=150)
+    feeder.init_data_input_workers(None, ["tokens", "id"], src, 16, coordinator=coord, pad={"tokens": -1},
+                                   **workers(mode, 2))
+    seen = []
+    groups = set()
+    with coord:
+        for batch in coord.feed("train"):
+            ids = batch["id"].tolist()
+            for r, k in enumerate(ids):
+                m = batch["tokens_mask"][r].astype(bool)
+                assert batch["tokens"][r][m].tolist() == rows[k] and (batch["tokens"][r][~m] == -1).all()
+            groups.add(len({k // 30 for k in ids}))
+            seen += ids
+    assert sorted(seen) == list(range(n))
+    assert max(groups) > 1  # batches mix row groups
+
+
+def test_the_window_holds_rows_of_different_shapes_row_by_row():
+    from feeder.sources.window import ShuffleWindow
+
+    w = ShuffleWindow(100, np.random.default_rng(0))
+    w.add([np.arange(6).reshape(3, 2), np.arange(3)])  # rows of one shape: held as an array at first
+    w.add([Ragged.from_rows([np.array([7]), np.array([8, 9, 10])]), np.arange(3, 5)])
+    w.add([np.full((2, 4), 5), np.arange(5, 7)])
+    got = w.take(7)
+    assert isinstance(got[0], Ragged) and sorted(got[1].tolist()) == list(range(7))
+    by_key = {int(k): row.tolist() for k, row in zip(got[1], got[0])}
+    assert by_key == {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [7], 4: [8, 9, 10], 5: [5] * 4, 6: [5] * 4}
+
+
+@pytest.mark.parquet
 @pytest.mark.parametrize("window", [None, 96])
 def test_resume_with_padding_and_a_window_is_exactly_once(ragged_parquet, window):
     # Rows held in the window when the state is taken were not delivered: the resumed run gives them.
