@@ -143,7 +143,8 @@ class Feed:
         self._rebatcher: Union[Rebatcher, PadRebatcher]
         self._ring: Union[BufferRing, ByteRing]
         if padding is not None:  # batches of one shape from rows of many (feeder.padding)
-            self._ring = ByteRing(READY_MAX + 2)
+            # (on a device: in the staging memory it copies from fast, as the Rebatcher's below)
+            self._ring = ByteRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
             self._rebatcher = PadRebatcher(self._batch_size, self._axes, padding.pads, padding.multiple,
                                            padding.window, self._ring, keyed=self._keyed)
         else:
