@@ -78,7 +78,10 @@ class Feed:
     Attributes:
         input_source_name: The name of the source this feed draws from.
         input_names: The inputs of each batch, in order (a resumable source's row-key
-            column is not among them: it is stripped from every batch).
+            column is not among them: it is stripped from every batch; the masks of ``pad=``
+            inputs are, last).
+        fetched_names: The inputs ``fetch_fun`` returns, in order: ``input_names`` without the
+            masks that padding makes.
         worker_ids: The worker ids of this registration's fetchers, threads or processes.
         session: The session given at registration, or None.
         timeout: Seconds a consumer call waits by default before ``FeedTimeout``.
@@ -99,7 +102,8 @@ class Feed:
         # stripped from every batch before anyone sees it.
         self._all_names: List[str] = list(input_names)
         # pad=: each padded input's mask follows the inputs in every batch (feeder.padding)
-        self.input_names: List[str] = public_names(input_names) + (padding.mask_names() if padding else [])
+        self.fetched_names: List[str] = public_names(input_names)
+        self.input_names: List[str] = self.fetched_names + (padding.mask_names() if padding else [])
         self._keyed = len(self._all_names) > len(public_names(input_names))
         self.worker_ids: List[int] = list(worker_ids)
         self._batch_size = int(batch_size)
@@ -139,7 +143,8 @@ class Feed:
         self._rebatcher: Union[Rebatcher, PadRebatcher]
         self._ring: Union[BufferRing, ByteRing]
         if padding is not None:  # batches of one shape from rows of many (feeder.padding)
-            self._ring = ByteRing(READY_MAX + 2)
+            # (on a device: in the staging memory it copies from fast, as the Rebatcher's below)
+            self._ring = ByteRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
             self._rebatcher = PadRebatcher(self._batch_size, self._axes, padding.pads, padding.multiple,
                                            padding.window, self._ring, keyed=self._keyed)
         else:

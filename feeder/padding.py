@@ -26,7 +26,7 @@ import math
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -91,10 +91,12 @@ class ByteRing:
     counts, as in ``BufferRing``: the views keep their buffer referenced).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, allocate: Optional[Callable[[Tuple[int, ...], Any], np.ndarray]] = None):
         if size < 1:
             raise ValueError(f"ring size must be >= 1, got {size}")
         self.size = size
+        # (shape, dtype) -> array: np.empty, or a device feed's staging memory (feeder.device)
+        self._allocate = allocate if allocate is not None else np.empty
         self._sets: List[List[np.ndarray]] = []
         self._last = 0
         self._free_refs = 0
@@ -135,7 +137,7 @@ class ByteRing:
 
     def _alloc(self, nbytes: int) -> np.ndarray:
         self.allocations += 1
-        return np.empty(nbytes, np.uint8)
+        return self._allocate((nbytes,), np.uint8)
 
 
 def _rows(sel: Sel, n: int) -> int:

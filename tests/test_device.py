@@ -365,6 +365,7 @@ def test_predict_refuses_a_provider_that_is_not_installed_before_writing_anythin
             feeder.predict(str(model), ArraySource({"x": x, "id": np.arange(n)}), tmp_path / "out", keep=["id"],
                            providers=providers, progress=False)
         assert "onnxruntime-gpu" in str(e.value) and "CPUExecutionProvider" in str(e.value)
+        assert "cannot be loaded" not in str(e.value)  # the model is fine: only the provider is missing
         assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="applies to a model given as a path"):
         feeder.predict(session(linear_model()), ArraySource({"x": x, "id": np.arange(n)}), tmp_path / "out",
@@ -390,6 +391,12 @@ def test_the_command_lines_take_a_provider_and_refuse_a_missing_one_in_one_line(
     bad = subprocess.run(base + ["--provider", "cuda"], capture_output=True, text=True, env=_env(), timeout=120)
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.count("\n") == 1 and "onnxruntime-gpu" in bad.stderr and "Traceback" not in bad.stderr
+    assert "cannot be loaded" not in bad.stderr
+    # --columns loads the model itself (to name its inputs): the same one line
+    cols = subprocess.run(base + ["--provider", "cuda", "--columns", "x=x"], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert cols.returncode == 2 and cols.stderr.count("\n") == 1 and "onnxruntime-gpu" in cols.stderr, cols.stderr
+    assert "cannot be loaded" not in cols.stderr
     assert not (tmp_path / "out").exists()
     good = subprocess.run(base + ["--provider", "cpu"], capture_output=True, text=True, env=_env(), timeout=120)
     assert good.returncode == 0 and good.stdout.startswith(f"{n} rows written"), good.stderr
@@ -397,3 +404,35 @@ def test_the_command_lines_take_a_provider_and_refuse_a_missing_one_in_one_line(
                             "--model", str(tmp_path / "m.onnx"), "--provider", "cuda", "--seconds", "0.1"],
                            capture_output=True, text=True, env=_env(), timeout=120)
     assert bench.returncode == 2 and "onnxruntime-gpu" in bench.stderr, bench.stderr
+
+
+def test_padded_batches_are_assembled_in_the_staging_memory(coord, monkeypatch):
+    # A padded feed's batches are made in the memory the device copies from fast (pinned on a
+    # GPU), as an unpadded feed's are: they were made in ordinary memory, then copied from it.
+    from test_pad_feed import RaggedRows, expected_sums, mask_model
+
+    made = []
+    real = feeder.device.DeviceMemory.host_array
+
+    def host_array(self, shape, dtype):
+        a = real(self, shape, dtype)
+        made.append(a)
+        return a
+
+    monkeypatch.setattr(feeder.device.DeviceMemory, "host_array", host_array)
+    feeder.init_data_input_workers(session(mask_model("tokens_mask")), None, RaggedRows(64), 8, num_worker_threads=1,
+                                   coordinator=coord, pad={"tokens": 0}, device=STAGED)
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        batch = feed.next_batch()
+        assert any(np.shares_memory(batch["tokens"], m) for m in made)
+        seen += batch["id"].tolist()
+        while True:
+            try:
+                out, ids = feed.run()
+            except StopIteration:
+                break
+            np.testing.assert_array_equal(out, expected_sums(ids))
+            seen += ids.tolist()
+    assert sorted(seen) == list(range(64))

@@ -114,6 +114,33 @@ def test_worker_processes_send_ragged_rows_through_shared_memory(coord, mode):
     assert sorted(seen) == list(range(80))
 
 
+def tokens_of_ids(cols):
+    """A map that makes ragged rows: the tokens of each row id (rows of 0-6 values)."""
+    return {"tokens": [row_values(int(k)) for k in cols["id"]], "id": cols["id"]}
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_a_map_may_make_the_ragged_rows_of_a_padded_input(coord, mode, with_mask):
+    # The registration's inputs gain the masks that padding makes; the map is asked only for what
+    # the fetch returns (it used to be asked for "tokens_mask" too: InputValidationError).
+    from feeder.sources import ArraySource
+
+    src = ArraySource({"id": np.arange(90)}, shuffle=True, seed=4).map(tokens_of_ids)
+    session = _session(mask_model("tokens_mask" if with_mask else None))
+    feeder.init_data_input_workers(session, None, src, 8, coordinator=coord, pad={"tokens": 0}, length_window=24,
+                                   **workers(mode, 2))
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        assert feed.input_names == ["tokens", "id", "tokens_mask"]
+        out, ids = feed.run()
+        np.testing.assert_array_equal(out, expected_sums(ids))
+        seen += ids.tolist()
+        for batch in feed:
+            seen += check(batch)
+    assert sorted(seen) == list(range(90))
+
+
 def test_the_chunk_from_a_worker_process_arrives_as_values_and_offsets():
     # What crosses the process boundary: one values array and the rows' starts and shapes, in the
     # slot (never a pickled list of rows).
@@ -425,6 +452,50 @@ def test_a_ragged_parquet_column_feeds_a_padded_input_exactly_once(coord, ragged
     with coord:
         seen = [k for b in coord.feed("train") for k in check(b)]
     assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parquet
+def test_a_shuffle_window_mixes_ragged_rows_of_a_parquet_list_column(coord, tmp_path, mode):
+    # The window holds a padded input's rows one by one (a Ragged, or a plain array when a row
+    # group's rows happen to agree); it used to fail every fetch with a TypeError.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from feeder.sources import ParquetSource
+
+    n = 420  # row group g of 30 rows: rows of 3 values in even groups, of k % 7 values in odd ones
+    lengths = [3 if (k // 30) % 2 == 0 else k % 7 for k in range(n)]
+    rows = [[k * 100 + 1 + j for j in range(length)] for k, length in enumerate(lengths)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int64())), "id": np.arange(n)}),
+                   str(tmp_path / "t.parquet"), row_group_size=30)
+    src = ParquetSource(str(tmp_path / "t.parquet"), shuffle=True, seed=2, shuffle_window=150)
+    feeder.init_data_input_workers(None, ["tokens", "id"], src, 16, coordinator=coord, pad={"tokens": -1},
+                                   **workers(mode, 2))
+    seen = []
+    groups = set()
+    with coord:
+        for batch in coord.feed("train"):
+            ids = batch["id"].tolist()
+            for r, k in enumerate(ids):
+                m = batch["tokens_mask"][r].astype(bool)
+                assert batch["tokens"][r][m].tolist() == rows[k] and (batch["tokens"][r][~m] == -1).all()
+            groups.add(len({k // 30 for k in ids}))
+            seen += ids
+    assert sorted(seen) == list(range(n))
+    assert max(groups) > 1  # batches mix row groups
+
+
+def test_the_window_holds_rows_of_different_shapes_row_by_row():
+    from feeder.sources.window import ShuffleWindow
+
+    w = ShuffleWindow(100, np.random.default_rng(0))
+    w.add([np.arange(6).reshape(3, 2), np.arange(3)])  # rows of one shape: held as an array at first
+    w.add([Ragged.from_rows([np.array([7]), np.array([8, 9, 10])]), np.arange(3, 5)])
+    w.add([np.full((2, 4), 5), np.arange(5, 7)])
+    got = w.take(7)
+    assert isinstance(got[0], Ragged) and sorted(got[1].tolist()) == list(range(7))
+    by_key = {int(k): row.tolist() for k, row in zip(got[1], got[0])}
+    assert by_key == {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [7], 4: [8, 9, 10], 5: [5] * 4, 6: [5] * 4}
 
 
 @pytest.mark.parquet

@@ -501,6 +501,33 @@ def test_a_scalar_column_feeds_an_n_by_1_input_reshaped_without_a_copy(tmp_path,
     assert chunk[0].shape == (64, 1) and chunk[0].base is not None  # a view of the column, not a copy
 
 
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_a_filter_keeps_the_n_by_1_reshape_and_the_stacking_cast(tmp_path, onnx_models, mode):
+    # A filter passes the columns on as they are: what the session declares for them still reaches
+    # the ParquetSource under it (scalar columns used to arrive rank 1, refused for [N, 1] inputs).
+    from utils import workers
+
+    write_features(tmp_path / "t.parquet", 200, k=3, dtype=np.float32, names=["f1", "f2", "f3"])
+    sess = onnx_models.session(onnx_models.column_inputs_model(("a", "b", "c")))
+    src = ParquetSource(tmp_path / "t.parquet", columns={"a": "f1", "b": "f2", "c": "f3"})
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(sess, None, src.filter(lambda d: d["a"][:, 0] >= 100), 25, coordinator=coord,
+                                   **workers(mode, 2))
+    with coord:
+        ys = np.concatenate([coord.feed("train").run()[0] for _ in range(4)])
+    ids = np.sort(np.round((ys[:, 0] - 1.4) / 6).astype(int))  # y = 6 id + 1.4
+    assert ids.tolist() == list(range(100, 200))
+    # float64 columns stacked under a filter are cast as they are copied (cast=True), as without it
+    write_features(tmp_path / "x.parquet", 256, k=4)
+    src = ParquetSource(tmp_path / "x.parquet", columns={"x": "f*"}).filter(lambda d: d["x"][:, 0] >= 0)
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(onnx_models.session(onnx_models.linear_model(in_dim=4)), ["x"], src, 32,
+                                   coordinator=coord, cast=True, **workers(mode, 2))
+    with coord:
+        assert sum(len(coord.feed("train").run()[0]) for _ in range(8)) == 256
+        assert src.wrapped._targets == {"x": np.dtype(np.float32)}
+
+
 def test_map_over_a_parquet_source_without_columns_sees_every_column(tmp_path):
     write_features(tmp_path / "t.parquet", 120, k=3)
     seen = []

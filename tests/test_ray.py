@@ -136,6 +136,22 @@ def test_map_and_filter_run_in_the_fetch_path_and_count_the_filtered(ray_local, 
     assert m["rows_filtered"] == 250 and m["source_rows_filtered"] == 250 and m["transform_s"] > 0
 
 
+def test_a_ragged_column_feeds_a_padded_input(ray_local, coord):
+    # The source is asked for the columns the fetch returns, not the mask padding makes (it was:
+    # "column 'tokens_mask' ... is not in the dataset").
+    from feeder.sources import RayDataSource
+
+    ds = ray_local.data.from_items([{"tokens": np.arange(k % 5) + 1, "k": k} for k in range(200)]).repartition(4)
+    feeder.init_data_input_workers(None, ["tokens", "k"], RayDataSource(ds), batch_size=16, input_source_name="ray",
+                                   coordinator=coord, timeout=60, pad={"tokens": 0})
+    seen = []
+    with coord:
+        for batch in coord.feed("ray"):
+            assert (batch["tokens_mask"].sum(axis=1) == batch["k"] % 5).all()
+            seen += batch["k"].tolist()
+    assert sorted(seen) == list(range(200))
+
+
 def test_session_run_and_column_mapping(ray_local, coord):
     from models import linear_model, session
 

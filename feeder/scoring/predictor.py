@@ -39,6 +39,7 @@ import numpy as np
 
 from ..api import init_data_input_workers
 from ..coordinator import GlobalCoordinator
+from ..device import providers_for
 from ..errors import FeederError
 from ..rowkeys import KeyLedger, merge_ranges, source_state
 from ..runtime import (
@@ -275,6 +276,7 @@ def _open_model(model: Any, providers: Any = None) -> Tuple[Any, Dict[str, Any]]
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such ONNX model file: {path!r}")
         import_onnxruntime()
+        providers_for(providers)  # a provider not installed is its own ValueError, not "cannot be loaded"
         try:
             session = load_session(path, providers)
         except Exception as e:  # onnxruntime's own exception types (Fail, InvalidProtobuf...) derive from Exception

@@ -170,7 +170,7 @@ def bind_sources(all_feeds: Sequence[Any], pending: Sequence[Any]) -> None:
         resume = next((f.resume_from for f in feeds if getattr(f, "resume_from", None) is not None), None)
         context = next((f.mp_context for f in feeds if getattr(f, "mp_context", None) is not None), None)
         queue = feeds[0].source
-        names = tuple(feeds[0].input_names)
+        names = tuple(feeds[0].fetched_names)  # what fetch_fun returns (not the masks of pad= inputs)
         validator = getattr(queue, "validator", None)
         specs: Tuple[Any, ...] = ()
         if validator is not None:

@@ -115,7 +115,8 @@ class ParquetSource(ShardedSource):
 
     Conversion to numpy: numeric columns without nulls are not copied (read-only views of
     Arrow's buffers), fixed-size lists (nested too), fixed-shape tensors and lists that all
-    have one length become n-d arrays, strings become str arrays. A null in a used column is an
+    have one length become n-d arrays, lists of different lengths a :class:`~feeder.Ragged` (for an
+    input named in ``pad=``), strings become str arrays. A null in a used column is an
     InputValidationError naming it; a column that is missing is a ValueError at registration
     (at creation when ``columns`` is given).
 
@@ -146,25 +147,6 @@ class ParquetSource(ShardedSource):
     ``*``, ``?`` or ``[`` that is not a column is a glob pattern, expanded in the order of the
     first file's schema (``{"X": "f*"}`` or ``{"X": ["a", "f*"]}`` stack what they match). A
     single scalar column feeding a model input of shape ``[N, 1]`` is reshaped to it (no copy).
-
-    Conversion to numpy: numeric columns without nulls are not copied (read-only views of
-    Arrow's buffers), fixed-size lists (nested too), fixed-shape tensors and lists that all
-    have one length become n-d arrays, strings become str arrays. A null in a used column is an
-    InputValidationError naming it; a column that is missing is a ValueError at registration
-    (at creation when ``columns`` is given).
-
-    What a checkpoint must match (``feeder_definition``) is one record per file (its name, row
-    count, size in bytes, version and a fingerprint of its footer: schema, row groups and, for
-    the used columns, their Arrow types, the column chunks' statistics and sizes), plus the used
-    columns' Arrow types. ``identity`` says what a file's version is: ``"metadata"`` (the
-    default) its modification time (ns), so that nothing but the footers is read, and a file
-    whose modification time moved is another file, even when touched or copied with the same
-    contents; ``"content"`` a SHA-256 of its bytes, read whole when the source is created (and
-    again when a file's size or modification time moved), for data copied between machines,
-    whose time stamps do not survive. A file that changes after the source was created is a
-    ValueError at ``start()`` or an InputValidationError at the first read of it, naming the
-    file. A file that is not Parquet (or is truncated) is a ValueError naming it at creation,
-    and an InputValidationError naming it and the row group at a read.
 
     With ``map`` or ``filter`` (see :mod:`feeder.sources.transform`), the functions see the
     inputs ``columns`` maps, or with ``columns=None`` every column of the files.

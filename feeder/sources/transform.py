@@ -236,8 +236,18 @@ class TransformedSource(Transformable):
         self._plan = (list(self._columns), _Take(self._outputs), self.feeder_row_keys,
                       tuple((kind == MAP, fn) for kind, fn in self.steps))
         self._figures, self._pending = {}, {}
+        # Without a map, the wrapped source's columns reach the session as they are: what the
+        # session declares for them (a stacked input's dtype with cast=True, an [N, 1] input fed by
+        # a scalar column) is the wrapped source's to act on, as if no filter stood between. After a
+        # map, the session takes what the map makes, not the columns.
+        specs: Tuple[Any, ...] = ()
+        if not self._maps and binding.specs:
+            from ..validation import InputSpec
+
+            declared = dict(zip(binding.input_names, binding.specs))
+            specs = tuple(declared.get(c, InputSpec(c)) for c in self._columns)
         inner = dataclasses.replace(binding, input_names=tuple(self._columns), resume=self._inner_state(binding.resume),
-                                    on_filtered=None, specs=(), cast=False)
+                                    on_filtered=None, specs=specs, cast=binding.cast and not self._maps)
         self.source.feeder_bind(inner)
 
     def feeder_release(self) -> None:

@@ -13,13 +13,20 @@ written into the slots the last draw freed (then at the end), a draw gathers ran
 arrays. So each row is copied twice on its way through (in, and out in its random place), and a
 unit can be read in its stored order (no copy) since the window does the shuffling.
 
+An input whose rows differ in shape (a padded input's: a Parquet list column comes as a
+:class:`~feeder.ragged.Ragged`, or as a plain array when a unit's rows happen to agree) is held
+row by row, each row a view of what its unit read (no copy), and drawn as a Ragged: its values are
+copied once, into the padded batch.
+
 Pure logic (numpy, no threads): one :class:`ShuffleWindow` per worker, used by that worker alone.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional, Set
 
 import numpy as np
+
+from ..ragged import Ragged
 
 
 def _as_rows(x: np.ndarray) -> Optional[np.ndarray]:
@@ -32,6 +39,14 @@ def _as_rows(x: np.ndarray) -> Optional[np.ndarray]:
     if row == 0:
         return None
     return x.reshape(len(x), -1).view(np.dtype((np.void, row))).reshape(len(x))
+
+
+def _row_objects(a: Any) -> np.ndarray:
+    """The rows of a column (a Ragged, a list of rows, an array) as a 1-d object array of them (views)."""
+    out = np.empty(len(a), dtype=object)
+    for i, row in enumerate(a):
+        out[i] = row
+    return out
 
 
 class ShuffleWindow:
@@ -47,6 +62,7 @@ class ShuffleWindow:
         self._buffers: Optional[List[np.ndarray]] = None
         self._size = 0                                # slots in use, holes included
         self._free = np.zeros(0, dtype=np.int64)      # slots below _size that a draw emptied
+        self._by_row: Set[int] = set()  # inputs held row by row (rows of different shapes), see _rows
 
     def wants_more(self) -> bool:
         return not self.ended and self.rows < self.capacity
@@ -55,6 +71,7 @@ class ShuffleWindow:
         n = len(arrays[0])
         if not n:
             return
+        arrays = self._rows(arrays)
         self._fit(arrays, self._size + max(0, n - len(self._free)))
         bufs = self._buffers
         assert bufs is not None
@@ -74,6 +91,25 @@ class ShuffleWindow:
             self._size = end
         self.rows += n
 
+    def _rows(self, arrays: List[Any]) -> List[np.ndarray]:
+        """``arrays`` with each input whose rows differ in shape (not an array, or an array whose
+        rows are not the shape of those held) as an object array of its rows; from then on that
+        input is held row by row (what the window held of it too)."""
+        bufs = self._buffers
+        out = list(arrays)
+        for j, a in enumerate(out):
+            if j not in self._by_row:
+                if isinstance(a, np.ndarray) and (bufs is None or a.shape[1:] == bufs[j].shape[1:]):
+                    continue
+                self._by_row.add(j)
+                if bufs is not None:
+                    held = np.empty(len(bufs[j]), dtype=object)
+                    for i in range(self._size):
+                        held[i] = bufs[j][i]  # (a view of the row held)
+                    bufs[j] = held
+            out[j] = _row_objects(a)
+        return out
+
     def _fit(self, arrays: List[np.ndarray], size: int) -> None:
         """Buffers of at least ``size`` slots whose dtypes hold these arrays' values."""
         bufs = self._buffers
@@ -91,9 +127,9 @@ class ShuffleWindow:
                 grown[:self._size] = b[:self._size]
                 bufs[j] = grown
 
-    def take(self, k: int) -> List[np.ndarray]:
-        """``k`` rows (fewer if fewer are held) drawn at random, in random order, as new arrays;
-        they leave the window."""
+    def take(self, k: int) -> List[Any]:
+        """``k`` rows (fewer if fewer are held) drawn at random, in random order, as new arrays
+        (a Ragged for an input held row by row); they leave the window."""
         bufs = self._buffers
         k = min(int(k), self.rows)
         if bufs is None or not k:
@@ -104,11 +140,13 @@ class ShuffleWindow:
             slots = live[pick]
         else:
             slots = pick.astype(np.int64, copy=False)
-        out = []
+        out: List[Any] = []
         for b in bufs:
             rb = _as_rows(b)
             out.append(np.take(b, slots, axis=0) if rb is None else
                        np.take(rb, slots).view(b.dtype).reshape((k,) + b.shape[1:]))
+        for j in self._by_row:
+            out[j] = Ragged.from_rows(list(out[j]))
         self.rows -= k
         if self.rows:
             self._free = np.concatenate([self._free, slots])
@@ -118,4 +156,5 @@ class ShuffleWindow:
 
     def clear(self) -> None:
         self._buffers, self._size, self.rows = None, 0, 0
+        self._by_row = set()
         self._free = np.zeros(0, dtype=np.int64)
