@@ -540,12 +540,7 @@ class ShardedSource(Transformable):
         resume = binding.resume
         if resume is not None:
             check_state(resume, self._definition())
-        rank, basis = self._rank_plan(binding.source_name, resume)
-        record = shard_of(resume) if resume is not None else None
-        basis_filtered = 0
-        if resume is not None and len(basis):
-            basis_filtered = (int(resume.get("rows_filtered", 0) or 0) if is_complete(record)
-                              else int((record or {}).get("basis_filtered", 0) or 0))
+        rank, basis, basis_filtered = self._rank_plan(binding.source_name, resume)
         with self._lock:
             self._binding = binding
             self._cursors = {}
@@ -560,9 +555,11 @@ class ShardedSource(Transformable):
             self._windows = {}
             self._plan_sequence(basis if len(basis) else None)
 
-    def _rank_plan(self, name: str, resume: Optional[Mapping[str, Any]]) -> Tuple[Optional[RankPlan], np.ndarray]:
-        """(how this rank cuts its share, the basis ranges the sequence is planned from) for a run
-        that resumes from ``resume`` (see feeder.sources.sharding). ValueError for a state that
+    def _rank_plan(self, name: str, resume: Optional[Mapping[str, Any]]
+                   ) -> Tuple[Optional[RankPlan], np.ndarray, int]:
+        """(how this rank cuts its share, the basis ranges the sequence is planned from, how many of
+        the basis's rows were filtered) for a run that resumes from ``resume`` (see
+        feeder.sources.sharding). ValueError for a state that
         cannot resume this rank exactly: another rank's, one rank's on an unsharded source, or
         one rank's of another world size."""
         none = np.zeros((0, 2), np.int64)
@@ -570,10 +567,11 @@ class ShardedSource(Transformable):
         sharded = self.shard is not None and self.shard[1] > 1
         if is_complete(record):
             ranges = ranges_of(resume) if resume is not None else none
+            filtered = int(resume.get("rows_filtered", 0) or 0) if resume is not None and len(ranges) else 0
             if not sharded:
-                return None, ranges
+                return None, ranges, filtered
             assert self.shard is not None
-            return RankPlan(self.shard[0], self.shard[1], self.equal_steps), ranges
+            return RankPlan(self.shard[0], self.shard[1], self.equal_steps), ranges, filtered
         assert record is not None and resume is not None
         theirs = f"the state of rank {record['ranks']} of a world of {record['world']}"
         merge = ("merge every rank's state with feeder.sources.merge_states([...]) and resume every rank from the "
@@ -586,7 +584,8 @@ class ShardedSource(Transformable):
             raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is rank {rank} of {world}: "
                              f"a rank resumes from its own state on the same world size; otherwise {merge}")
         basis = np.asarray(record.get("basis") or [], dtype=np.int64).reshape(-1, 2)
-        return RankPlan(rank, world, self.equal_steps, own=_merged(ranges_of(resume))), basis
+        filtered = int(record.get("basis_filtered", 0) or 0) if len(basis) else 0
+        return RankPlan(rank, world, self.equal_steps, own=_merged(ranges_of(resume))), basis, filtered
 
     def feeder_total_rows(self) -> Optional[int]:
         """Rows this source delivers over all its epochs in a fresh run (this rank's share when

@@ -964,7 +964,6 @@ def _column_spec(columns: Mapping[Any, Any]) -> Dict[str, Union[str, List[str]]]
     return out
 
 
-
 def _count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
