@@ -19,7 +19,7 @@ from .processes.parent import ProcessOptions, get_context
 from .processes.sending import check_sendable
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
-from .validation import InputSpec, fixed_batch_inputs, holds_value
+from .validation import InputSpec, fixed_batch_inputs, holds_value, int_arg
 
 log = logging.getLogger("feeder")
 
@@ -30,14 +30,6 @@ AUTO_MAX_THREADS = 8
 # num_worker_processes="auto" takes as many worker ids as there are cores: a process is for
 # CPU-bound Python work, and more processes than cores only contend.
 AUTO_MAX_PROCESSES = max(1, os.cpu_count() or 1)
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -197,14 +189,14 @@ def init_data_input_workers(
         raise TypeError(f"input_source_name must be a non-empty str, got {input_source_name!r}")
     threads_given = num_worker_threads
     threads_auto = num_worker_threads == "auto"
-    num_worker_threads = AUTO_MAX_THREADS if threads_auto else _int("num_worker_threads", num_worker_threads, 1)
+    num_worker_threads = AUTO_MAX_THREADS if threads_auto else int_arg("num_worker_threads", num_worker_threads, 1)
     processes = None
     # In process mode num_worker_processes alone says how many fetchers run and whether "auto"
     # chooses: num_worker_threads="auto" beside num_worker_processes=2 must not park one of two.
     if num_worker_processes == "auto":
         num_workers, auto = AUTO_MAX_PROCESSES, True
     else:
-        num_workers = _int("num_worker_processes", num_worker_processes, 0)
+        num_workers = int_arg("num_worker_processes", num_worker_processes, 0)
         auto = threads_auto and not num_workers
         num_workers = num_workers or num_worker_threads
     if num_worker_processes != 0 and threads_given != 2:  # 2: the default, said or not
@@ -217,7 +209,7 @@ def init_data_input_workers(
         if worker_init_fun is not None and not callable(worker_init_fun):
             raise TypeError(f"worker_init_fun must be callable or None, got {type(worker_init_fun).__name__}")
         if seed is not None:
-            seed = _int("seed", seed, -(2**63))  # any int, as random.seed takes
+            seed = int_arg("seed", seed, -(2**63))  # any int, as random.seed takes
         ctx = get_context(mp_context)
         check_sendable("fetch_fun", fetch_fun, ctx)
         check_sendable("worker_init_fun", worker_init_fun, ctx)
@@ -225,10 +217,10 @@ def init_data_input_workers(
     elif worker_init_fun is not None or mp_context is not None or seed is not None:
         raise ValueError("worker_init_fun, mp_context and seed apply to worker processes only "
                          "(num_worker_processes > 0)")
-    max_buffered_batches = _int("max_buffered_batches", max_buffered_batches, 1)
-    max_fetch_errors = _int("max_fetch_errors", max_fetch_errors, 0)
+    max_buffered_batches = int_arg("max_buffered_batches", max_buffered_batches, 1)
+    max_fetch_errors = int_arg("max_fetch_errors", max_fetch_errors, 0)
     if max_buffered_bytes is not None:
-        max_buffered_bytes = _int("max_buffered_bytes", max_buffered_bytes, 1)
+        max_buffered_bytes = int_arg("max_buffered_bytes", max_buffered_bytes, 1)
     timeout = _seconds("timeout", timeout)
     log_interval = _seconds("log_interval", log_interval)
     dont_rebatch, ordered, cast = _bool("dont_rebatch", dont_rebatch), _bool("ordered", ordered), _bool("cast", cast)
@@ -387,7 +379,7 @@ def _batch_axes(batch_columns: Optional[Sequence[int]], names: List[str], specs:
     if len(axes) != len(names):
         raise ValueError(f"batch_columns has {len(axes)} entries for {len(names)} inputs {names}")
     for ax, spec in zip(axes, specs):
-        _int(f"batch_columns entry for input {spec.name!r}", ax, 0)
+        int_arg(f"batch_columns entry for input {spec.name!r}", ax, 0)
         if spec.shape is not None and ax >= len(spec.shape):
             raise ValueError(f"batch_columns entry {ax} for input {spec.name!r} is out of range for its rank "
                              f"{len(spec.shape)}")
@@ -449,9 +441,9 @@ def _padding(pad: Dict[str, Any], masks: Dict[str, str], multiple: Any, window: 
              dont_rebatch: bool) -> Tuple[List[InputSpec], List[InputSpec], Padding]:
     """The specs of the fetched inputs with their pad values, the masks' specs, and the feed's Padding."""
     if multiple is not None:
-        multiple = _int("pad_to_multiple_of", multiple, 1)
+        multiple = int_arg("pad_to_multiple_of", multiple, 1)
     if window is not None:
-        window = _int("length_window", window, 1)
+        window = int_arg("length_window", window, 1)
         if dont_rebatch:
             raise ValueError("length_window cannot sort rows into batches with dont_rebatch=True (each chunk is its "
                              "own batch)")

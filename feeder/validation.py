@@ -44,6 +44,16 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__}"
 
 
+def int_arg(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, for an argument ``name`` that takes an int >= ``minimum``: TypeError
+    for a bool or anything else that is not an int, ValueError below ``minimum``, each naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def can_cast(src: np.dtype, dst: np.dtype) -> bool:
     """The casts ``cast=True`` performs: within a kind or widening (float64->float32, int64->float32,
     bool->anything), never float->int, signed->unsigned or anything->bool."""

@@ -52,6 +52,7 @@ from ..runtime import (
     session_model_path,
 )
 from ..sources.base import ROW_KEY, ShardedSource, definition_differences, jsonish, ranges_of
+from ..validation import int_arg
 from .modelid import model_identity
 from .outputdir import STATE_NAME, OutputDir
 from .partwriter import CommittedPart, Output, PartWriter
@@ -226,19 +227,11 @@ def _import_pyarrow() -> Any:
     return pyarrow
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
 def _check_args(batch_size: Any, rows_per_file: Any, replicas: Any, overwrite: Any, progress: Any) -> None:
-    _positive("batch_size", batch_size)
-    _positive("rows_per_file", rows_per_file)
+    int_arg("batch_size", batch_size, 1)
+    int_arg("rows_per_file", rows_per_file, 1)
     if replicas is not None:
-        _positive("replicas", replicas)
+        int_arg("replicas", replicas, 1)
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__}")
     if progress is not None and not isinstance(progress, bool):

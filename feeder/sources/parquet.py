@@ -36,7 +36,7 @@ from ..storage import (
     retrying,
     sha256_file,
 )
-from ..validation import can_cast
+from ..validation import can_cast, int_arg
 from .arrow import import_pyarrow, to_numpy
 from .base import ShardedSource, SourceBinding
 from .readahead import Readahead
@@ -206,10 +206,10 @@ class ParquetSource(ShardedSource):
             raise TypeError(f"identity must be one of {IDENTITIES}, got {type(identity).__name__}")
         if identity not in IDENTITIES:
             raise ValueError(f"identity must be one of {IDENTITIES}, got {identity!r}")
-        retries = _count("retries", retries)
+        retries = int_arg("retries", retries, 0)
         if readahead is not None:
-            readahead = _count("readahead", readahead)
-        if readahead_bytes is not None and _count("readahead_bytes", readahead_bytes) < 1:
+            readahead = int_arg("readahead", readahead, 0)
+        if readahead_bytes is not None and int_arg("readahead_bytes", readahead_bytes, 0) < 1:
             raise ValueError(f"readahead_bytes must be >= 1 or None, got {readahead_bytes}")
         self.identity = identity
         given = _column_spec(columns) if columns is not None else None
@@ -962,14 +962,6 @@ def _column_spec(columns: Mapping[Any, Any]) -> Dict[str, Union[str, List[str]]]
             raise TypeError(f"columns[{name!r}] must be a column name or a non-empty list of column names, "
                             f"got {col!r}")
     return out
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
 
 
 def _group_bytes(group: Any, used: Sequence[str]) -> Tuple[int, int]:
