@@ -52,6 +52,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
+from ..pacing import AFTER_NONE, none_pause
 from ..ragged import concat_shapes
 from ..rebatcher import take_rows
 from ..sources.base import SKIP
@@ -86,6 +87,7 @@ TRIM_EVERY = 32               # chunks between two looks for free segments to gi
 STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
+PAUSE_SLICE_S = 0.01          # a pause after fetch_fun returned None looks at stop this often
 
 
 _FINAL = frozenset({"end", "bye", "error", "invalid", "stats", "stack"})
@@ -267,6 +269,22 @@ class _Child:
             return True
         finally:
             self.status.set(before)
+
+    def pause(self, seconds: float) -> bool:
+        """After fetch_fun returned None: wait ``seconds`` (in slices, the lock let go: nothing is
+        held, see ``flush``) before the next call; False on stop."""
+        self.status.set(AFTER_NONE)
+        deadline = time.monotonic() + seconds
+        self.lock.release()
+        try:
+            while not self.stopped():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                time.sleep(min(left, PAUSE_SLICE_S))
+            return False
+        finally:
+            self.lock.acquire()
 
     def wait_go(self) -> bool:
         return self._wait(lambda: bool(self.control.fields[GO]), "parked (auto concurrency)")
@@ -637,6 +655,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
     stats_due = monotonic() + STATS_S
     stop = child.stop
     carried: Optional[Tuple[Any, Optional[BaseException], float, float]] = None  # a call the burst made
+    pause = 0.0  # the last pause after fetch_fun returned None; 0.0 once a call returned something else
     lock.acquire()  # released only around fetch_fun (see _Child.lock)
     try:
         while not stop.is_set() and not fields[STOP]:
@@ -678,7 +697,11 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             if raw is None:
                 child.none_chunks += 1
                 child.send("none")
+                pause = none_pause(pause)  # (feeder.fetchers: as a fetcher thread does)
+                if not child.flush() or not child.pause(pause):
+                    return
                 continue
+            pause = 0.0
             if raw is SKIP:  # nothing, on purpose; the parent counts the turn of an ordered source (no coalescing)
                 if not coalesce:
                     child.send("skip")

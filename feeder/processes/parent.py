@@ -64,6 +64,7 @@ import numpy as np
 from ..chunkqueue import Chunk, ChunkQueue
 from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
+from ..pacing import NoneReport
 from ..tuning import Throttle
 from ..validation import ChunkValidator
 from .child import worker_main
@@ -270,6 +271,7 @@ class ProcFetchers:
         self._reaper: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._device: Optional[int] = None  # where children's segments must live (feeder.processes.shm.check_segment)
+        self.nones = NoneReport(source.name)  # fetch_fun returning None, logged for all of them
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, batch_size: int, coalesce: bool) -> None:
@@ -490,9 +492,8 @@ class ProcFetchers:
             elif kind == "drop":
                 for slot in msg[1]:
                     w.maps.pop(slot, None)
-            elif kind == "none":
-                state.none_chunks += 0  # counted by the child; the figures came with the message
-                log.warning("source %r worker %d: fetch_fun returned None; skipped", source.name, state.worker_id)
+            elif kind == "none":  # counted by the child (the figures came with the message), which pauses
+                self.nones.note(state.worker_id)
             elif kind == "empty":
                 log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
                             source.name, state.worker_id)
