@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .chunkqueue import ChunkQueue
 from .errors import FeederError
@@ -56,6 +56,8 @@ class GlobalCoordinator:
         self._starting = False  # inside start(): an init_fun calling start() again is an error
         # The row keys of stopped sources, so that state_dict(name) works after stop().
         self._stopped_keys: Dict[str, Tuple[KeyLedger, Any]] = {}
+        # Source names whose second registration was warned about (once per name until it is stopped).
+        self._replicas_told: Set[str] = set()
 
     # ---- registration ------------------------------------------------------------------
     def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
@@ -80,8 +82,10 @@ class GlobalCoordinator:
     def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
                   input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
                   max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int],
-                  specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None) -> Feed:
+                  specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None,
+                  replica: bool = False) -> Feed:
         with self._lock:
+            others = sum(1 for f in self._feeds if f.input_source_name == name)
             for other in self._feeds:
                 if other.input_source_name != name:
                     continue
@@ -110,6 +114,16 @@ class GlobalCoordinator:
             q.register_workers(ids)
             q.add_holder(feed._held_rows, feed._ready.delivered, feed._starved)
             self._feeds.append(feed)
+            if others and not replica and name not in self._replicas_told:
+                # Registering a name again adds a replica (the contract); a notebook cell run again
+                # does it by accident, and coord.feed(name) then refuses: say so, once per name.
+                self._replicas_told.add(name)
+                log.warning("source %r was already registered on this coordinator: this registration adds a "
+                            "replica (%d feeds now share its queue and its rows; coord.feed(%r) refuses, "
+                            "coord.feeds(%r) lists them). To replace the first registration instead (a notebook "
+                            "cell run again), call coord.stop_coordinator(%r) before registering again; to add "
+                            "replicas on purpose, pass replica=True. (Logged once per source name.)",
+                            name, others + 1, name, name, name)
             return feed
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -191,6 +205,7 @@ class GlobalCoordinator:
             feeds, self._feeds = self._feeds, []
             queues, self._queues = list(self._queues.values()), {}
             monitor, self._monitor = self._monitor, None
+            self._replicas_told.clear()
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
@@ -210,6 +225,7 @@ class GlobalCoordinator:
             self._feeds = [f for f in self._feeds if f.input_source_name != name]
             q = self._queues.pop(name, None)
             monitor = self._monitor
+            self._replicas_told.discard(name)
         return self._shutdown(feeds, [q] if q is not None else [], monitor, stop_monitor=False, timeout=None)
 
     def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue], monitor: Optional[Monitor],
