@@ -57,6 +57,7 @@ from ..ragged import concat_shapes
 from ..rebatcher import take_rows
 from ..sources.base import SKIP
 from ..validation import ChunkValidator
+from .remotetb import Frame, frames_of
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -429,9 +430,15 @@ def _write_rows(values: np.ndarray, starts: np.ndarray, parts: Sequence[Any]) ->
         pos, row = pos + total, row + n
 
 
-def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str]:
-    """(pickled exception or None, type name, str, traceback text) of an exception."""
+def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str, List[Frame]]:
+    """(pickled exception or None, type name, str, traceback text, the frames of its traceback)
+    of an exception. The parent rebuilds the traceback from the frames
+    (``feeder.processes.remotetb``): pickling drops it."""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        frames = frames_of(e)
+    except Exception:
+        frames = []
     try:
         pickled = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
         pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt
@@ -442,7 +449,7 @@ def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, st
         text = str(e)
     except Exception:
         text = f"<{type(e).__name__}: str() failed>"
-    return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb
+    return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb, frames
 
 
 # glibc's malloc in a worker process: keep freed memory for reuse. A fetch function that makes a
