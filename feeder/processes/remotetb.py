@@ -17,6 +17,7 @@ no traceback printer underlines part of the line: what it points at is the whole
 from __future__ import annotations
 
 import linecache
+import sys
 import traceback
 import types
 from typing import List, Optional, Sequence, Tuple
@@ -51,7 +52,7 @@ def _entry(filename: str, lineno: int, name: str) -> Tuple[types.FrameType, int]
     else:
         source = "\n" * max(0, lineno - 1) + call
     code = compile(source, filename, "exec").replace(co_name=name)
-    if hasattr(code, "co_qualname"):  # Python >= 3.11
+    if sys.version_info >= (3, 11):  # the name a traceback prints from 3.11 on
         code = code.replace(co_qualname=name)
     scope = {"__r": _raise, "__name__": "feeder.processes.remotetb"}
     try:

@@ -80,7 +80,7 @@ def _code(code: types.CodeType) -> Any:
 
 def _code_from(rebuild: Any, args: Any, filename: str, lines: Optional[List[str]]) -> types.CodeType:
     """In the worker process: the code object, its file name restored, its source known to linecache."""
-    code = rebuild(*args)
+    code: types.CodeType = rebuild(*args)
     if lines is not None and filename not in linecache.cache:
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # mtime None: kept as is
     return code.replace(co_filename=filename) if code.co_filename != filename else code
