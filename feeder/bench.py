@@ -32,6 +32,7 @@ alone`` lines are bounds, and the last line says how close the best comes to its
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -392,7 +393,7 @@ def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int =
     names = model_names or input_names_from_chunk(kept[0])
     for n, procs in configs:
         measured(config_name(n, procs, False),
-                 lambda n=n, procs=procs: measure_feeder(fetch, names, batch_size, seconds, n, processes=procs))
+                 functools.partial(measure_feeder, fetch, names, batch_size, seconds, n, processes=procs))
     if session is not None:
         def model_alone() -> Result:
             try:
@@ -406,8 +407,8 @@ def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int =
         measured("model alone", model_alone)
         for n, procs in configs:
             measured(config_name(n, procs, True),
-                     lambda n=n, procs=procs: measure_feeder(fetch, names, batch_size, seconds, n, processes=procs,
-                                                             session=session))
+                     functools.partial(measure_feeder, fetch, names, batch_size, seconds, n, processes=procs,
+                                       session=session))
     return results
 
 
