@@ -106,8 +106,9 @@ def init_data_input_workers(
             chooses, while running, how many of up to 8 run. Ignored with worker processes.
         input_source_name: The source's name. Registrations that share it share its chunk
             queue: data-parallel replicas, each row going to one of them.
-        max_buffered_batches: Bound of the source's chunk queue, in chunks (the first
-            registration of a name sizes it).
+        max_buffered_batches: Bound of the source's chunk queue, in chunks as ``fetch_fun``
+            returns them (of any row count), not batches despite its name; the first
+            registration of a name sizes it. ``max_buffered_bytes`` bounds the bytes.
         init_fun: ``init_fun(feed, coordinator)``, called once, serially, by ``start()`` before
             any thread starts; an exception from it propagates from ``start()``.
         external_loggers: Objects with ``log(metrics: dict[str, float])``, called every
@@ -244,6 +245,11 @@ def init_data_input_workers(
         raise TypeError(f"resume_from must be a dict from coord.state_dict(name) or None, "
                         f"got {type(resume_from).__name__}")
 
+    if isinstance(session, (str, bytes, os.PathLike)):
+        path = os.fsdecode(session)
+        raise TypeError(f"session is a path ({path!r}), not a session: load the model and pass the session, "
+                        f"session = onnxruntime.InferenceSession({path!r}, providers=[\"CPUExecutionProvider\"]) "
+                        f"(feeder.predict is the one that takes a model path)")
     if session is not None and not is_session(session):
         raise TypeError(f"session must be an onnxruntime.InferenceSession, a training session adapter or None, "
                         f"got {type(session).__name__}")

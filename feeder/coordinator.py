@@ -233,6 +233,7 @@ class GlobalCoordinator:
         deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
         for feed in feeds:
             feed._signal_stop(deadline)  # worker processes are stopped against the same budget
+        ended = {q.name: not q.live_workers() for q in queues}  # (before the stop makes every worker end)
         discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         # Before the join: a fetch call waiting on its source's iterator (Ray Data) returns once released.
         release_sources(feeds)
@@ -255,7 +256,7 @@ class GlobalCoordinator:
                     self._stopped_keys[q.name] = (q.row_keys, mine[0].fetch_fun)
         for name, (chunks, rows) in discarded.items():
             if rows:
-                log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
+                _log_discarded(name, rows, chunks, ended[name], [f for f in feeds if f.input_source_name == name])
         if monitor is not None:
             # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
             reported = monitor.final([functools.partial(f.stats.report, final=True) for f in feeds if f._started])
@@ -381,6 +382,33 @@ def _check_main_script(pending: Sequence[Feed]) -> None:
             raise FeederError(f"source {feed.input_source_name!r}: start() was called from the top level of "
                               f"{where[0]} (line {where[1]}), outside `if __name__ == \"__main__\":`, with worker "
                               f"processes started by {method!r}; no process was started: {ADVICE}")
+
+
+def _log_discarded(name: str, rows: int, chunks: int, ended: bool, feeds: Sequence[Feed]) -> None:
+    """Say what a stop discarded, as loudly as it matters. Fetchers run ahead of the consumers, so a
+    source that is still being read always has rows in its queue at a stop: after a job that ran
+    as long as it meant to, those are of no interest (DEBUG). Rows of a finite source (one whose
+    workers had all ended, or a source of ``feeder.sources`` with a number of epochs) that never
+    reached a consumer are part of the data the job did not see: INFO."""
+    if ended or any(_epochs(f.fetch_fun) is not None for f in feeds):
+        log.info("source %r: stop discarded %d rows of this finite source (%d chunks) that no consumer had taken%s",
+                 name, rows, chunks, ": its fetchers had read it to the end" if ended else "")
+    else:
+        log.debug("source %r: stop discarded %d prefetched rows in %d chunks (fetched ahead of the consumers)",
+                  name, rows, chunks)
+
+
+def _epochs(fetch_fun: Any) -> Optional[int]:
+    """The number of epochs of a source of ``feeder.sources`` (a map or filter of one included);
+    None for an endless one, or a fetch function that does not say."""
+    for _ in range(16):  # (a chain of maps and filters)
+        epochs = getattr(fetch_fun, "epochs", None)
+        if isinstance(epochs, int):
+            return epochs
+        fetch_fun = getattr(fetch_fun, "wrapped", None)
+        if fetch_fun is None:
+            return None
+    return None
 
 
 def _audit_when_discarded(q: ChunkQueue, late: Sequence[Feed]) -> None:

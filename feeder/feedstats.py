@@ -187,7 +187,7 @@ class FeedStats:
         m = self.metrics_at(now)
         rate = self.feed._meter.rate(m["rows"], now)
         m["inputs_per_sec_interval"] = rate
-        log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
+        log.info("feeder source %r%s: %.1f rows/s (%.1f overall), %d batches, queue %d/%d chunks, "
                  "%d ready, %d live fetchers, %d active%s", self.feed.input_source_name, " (final)" if final else "",
                  rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],
