@@ -34,20 +34,14 @@ from the installed ``config.min.json`` and ``content_types_kb.min.json``, none i
   ``medium_confidence_threshold``) gives ``txt`` or ``unknown`` by whether the (overwritten)
   label is text.
 
-Design: how rows find their way back to their paths. ``feed.run()`` binds exactly the
-session's inputs, so the file index cannot ride along as an extra input of Magika's model
-as shipped. This example therefore loads the model with ``onnx`` and adds one pass-through:
-an input ``row_index`` int64 [N] and an ``Identity`` to an output ``row_index_out``. The
-scoring graph is untouched (its outputs are the same numbers; the test checks this), and
-every batch carries its own file indices through the session: ``scores, rows =
-feed.run()``, then ``labels[rows] = ...``. Nothing depends on arrival order, so fetchers
-take files from one shared cursor (load balancing instead of a fixed split),
-``ordered=False`` (the fastest mode) is safe, and several replicas can run at once.
-The alternatives were (a) ``session=None`` with inputs ["bytes", "idx"] and calling
-``session.run`` on numpy batches (correct, but does not use ``feed.run()``/IOBinding) and
-(b) ``ordered=True`` plus a deterministic split of files between workers and a replay of
-the round-robin on the consumer side (a chunk whose files all skip the model has zero
-rows, and the bookkeeping would have to mirror feeder's ordering rules exactly).
+Design: how rows find their way back to their paths. Each chunk carries the file indices of its
+rows as a kept array (``keep=["row_index"]`` at registration): kept arrays are rebatched with
+the model's input, row for row, and never bound to the session, so Magika's model runs as
+shipped. ``feed.runs([SCORES_OUTPUT], with_batch=True)`` yields each batch's scores with the
+batch's arrays, and ``labels[batch["row_index"]] = ...`` puts every label in its place. Nothing
+depends on arrival order, so fetchers take files from one shared cursor (load balancing instead
+of a fixed split), ``ordered=False`` (the fastest mode) is safe, and several replicas can run at
+once.
 
 Short last batches: each feed ends with a short batch (``last_batch="keep"``, the default),
 scored like any other.
@@ -60,7 +54,7 @@ data-parallel replicas sharing one queue), each consumed by its own thread calli
 
 The same job with ``feeder.predict`` (``--predict OUTPUT``, :func:`classify_with_predict`): the
 replicas, the loop and the bookkeeping above become one call, and the scores land in Parquet files,
-exactly once, continuing after a crash. The row index no longer needs a pass-through in the model:
+exactly once, continuing after a crash. The row index rides along there too:
 ``feeder.predict`` writes kept source columns (``keep=["row_index", "decided"]``) beside the
 outputs of Magika's model as shipped. Its source (:class:`PathFeatures`) gives every path a row,
 so the few files decided without the model (0.6% of the standard library) go through it too, their
@@ -95,8 +89,7 @@ from feeder.sources import ShardedSource
 MODEL_NAME = "standard_v3_3"
 BYTES_INPUT = "bytes"
 SCORES_OUTPUT = "target_label"
-INDEX_INPUT = "row_index"
-INDEX_OUTPUT = "row_index_out"
+INDEX_INPUT = "row_index"  # kept with each batch (keep=), not an input of the model
 SOURCE = "magika"
 
 # What magika reports for paths it cannot read (``MagikaResult.status``; ``.output`` is unset).
@@ -244,31 +237,11 @@ def features_or_label(path: PathLike, cfg: MagikaConfig, row: np.ndarray) -> Opt
     return "unknown"
 
 
-# ---- the session: Magika's model plus a row-index pass-through --------------------------------
-def build_model(path: Optional[str] = None) -> bytes:
-    """Magika's model with one extra input ``row_index`` int64 [N] copied to output ``row_index_out``.
-
-    The scoring graph is left exactly as shipped; the index only rides along so that each
-    output row of ``feed.run()`` says which file it belongs to.
-    """
-    import onnx
-    from onnx import TensorProto, helper
-
-    model = onnx.load(path or model_path())
-    graph = model.graph
-    names = {v.name for v in list(graph.input) + list(graph.output)} | {o for n in graph.node for o in n.output}
-    if INDEX_INPUT in names or INDEX_OUTPUT in names:
-        raise ValueError(f"model already has a {INDEX_INPUT!r}/{INDEX_OUTPUT!r} tensor")
-    graph.input.append(helper.make_tensor_value_info(INDEX_INPUT, TensorProto.INT64, ["N"]))
-    graph.node.append(helper.make_node("Identity", [INDEX_INPUT], [INDEX_OUTPUT], name="row_index_passthrough"))
-    graph.output.append(helper.make_tensor_value_info(INDEX_OUTPUT, TensorProto.INT64, ["N"]))
-    return model.SerializeToString()
-
-
+# ---- the session: Magika's model as shipped ---------------------------------------------------
 def make_session(path: Optional[str] = None) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1  # leave cores to the fetchers; use replicas for more ORT cores
-    return ort.InferenceSession(build_model(path), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path or model_path(), opts, providers=["CPUExecutionProvider"])
 
 
 # ---- the feeder job ---------------------------------------------------------------------------
@@ -339,12 +312,10 @@ class _Job:
                 return chunk
 
     def consume(self, feed: feeder.Feed, on_batch: Optional[Callable[[], None]] = None) -> None:
-        """Score batches until the source ends; write each label at its file's index."""
-        while True:
-            try:
-                scores, rows = feed.run([SCORES_OUTPUT, INDEX_OUTPUT])
-            except StopIteration:
-                return
+        """Score batches until the source ends; write each label at its file's index (the batch's
+        kept ``row_index``)."""
+        for (scores,), batch in feed.runs([SCORES_OUTPUT], with_batch=True):
+            rows = batch[INDEX_INPUT]
             for i, label in zip(rows.tolist(), self.cfg.labels_from_scores(scores)):
                 self.labels[i] = label
             self.add_done(len(rows), model_rows=len(rows))
@@ -452,9 +423,9 @@ def classify(paths: Sequence[PathLike], workers: int = 2, batch_size: int = 64, 
                                      name="classify:labels", daemon=True)
             drain.start()
         for _ in range(replicas):
-            feeder.init_data_input_workers(session, [BYTES_INPUT, INDEX_INPUT], fetch, batch_size,
+            feeder.init_data_input_workers(session, [BYTES_INPUT], fetch, batch_size, keep=[INDEX_INPUT],
                                            input_source_name=SOURCE, max_buffered_batches=64, coordinator=coord,
-                                           **counts)
+                                           replica=True, **counts)
         errors: List[BaseException] = []
 
         def replica(feed):

@@ -82,7 +82,7 @@ def run_feeder(ray, model: bytes, rows: int, blocks: int, batch_size: int) -> Tu
     for _ in range(REPLICAS):
         feeder.init_data_input_workers(make_session(model), ["x"], source, batch_size, num_worker_threads=1,
                                        input_source_name="ray", coordinator=coord, max_buffered_batches=16,
-                                       timeout=300.0)
+                                       timeout=300.0, replica=True)
     done: List[Tuple[int, float]] = [(0, 0.0)] * REPLICAS
 
     def consume(i: int) -> None:

@@ -1,7 +1,8 @@
 """Train and evaluate on one coordinator: "train" feeds a train-step graph, "test" an eval graph.
 
 Run:  python examples/train_and_eval.py [--steps 400] [--batch-size 64] [--data DIR]
-      python examples/train_and_eval.py --steps 800 --resume      # continue from the last checkpoint
+      python examples/train_and_eval.py --resume      # continue from the last checkpoint: 400 more steps
+      python examples/train_and_eval.py --resume --steps 1000      # ... or up to step 1000
 
 The data are Parquet files (written under --data on the first run): the "train" source is a
 feeder.sources.ParquetSource, shuffled and endless, the "test" source an ArraySource read from
@@ -38,6 +39,7 @@ from feeder.sources import ArraySource, ParquetSource
 
 DIM, HIDDEN, CLASSES = 16, 32, 3
 F = TensorProto.FLOAT
+MORE_STEPS = 400  # steps a run trains without --steps: from 0, or from the checkpoint with --resume
 
 
 def _model(nodes, inputs, outputs, inits=()):
@@ -174,7 +176,8 @@ def load_checkpoint(path: str) -> tuple:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400, help="train until this step")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"train until this step (default: step {MORE_STEPS}, or {MORE_STEPS} steps more with --resume)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--data", default="train_and_eval_data", help="folder of the Parquet files and the checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=100)
@@ -190,6 +193,11 @@ def main() -> None:
     if args.resume:
         first_step, weights, source_state = load_checkpoint(ckpt)
         print(f"resumed from step {first_step} ({source_state['rows_delivered']} rows trained on)")
+    last_step = args.steps if args.steps is not None else first_step + MORE_STEPS
+    if last_step <= first_step:
+        print(f"the checkpoint is at step {first_step} already, past --steps {last_step}: nothing to train; "
+              f"pass a larger --steps, or leave it out to train {MORE_STEPS} steps more")
+        return
 
     train = feeder.StatefulSession(session(train_step_model()), STATE, weights)
     evaluate = feeder.StatefulSession(session(eval_model()), {}, {n: v for n, v in weights.items()
@@ -212,9 +220,9 @@ def main() -> None:
     test_batches = 0
     with coord, logging_redirect_tqdm():  # feeder's log lines are printed above the bar, not through it
         train_feed, test_feed = coord.feed("train"), coord.feed("test")
-        for step in tqdm(range(first_step + 1, args.steps + 1), unit="step", disable=None):
+        for step in tqdm(range(first_step + 1, last_step + 1), unit="step", disable=None):
             (loss,) = train_feed.run(["loss"])
-            if step % args.checkpoint_every == 0 or step == args.steps:
+            if step % args.checkpoint_every == 0 or step == last_step:
                 # In the consumer's thread between steps: the state covers exactly the batches trained on.
                 save_checkpoint(ckpt, step, train.state(), coord.state_dict("train"))
             if step % 50 == 0:
@@ -227,7 +235,7 @@ def main() -> None:
                     test_batches += 1
                 tqdm.write(f"step {step:4d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.3f}")
     elapsed = time.perf_counter() - t0
-    steps = args.steps - first_step
+    steps = last_step - first_step
     print(f"{steps} train steps of {args.batch_size} rows in {elapsed:.2f} s: {steps / max(elapsed, 1e-9):,.0f} "
           f"steps/s; checkpoint: {ckpt}")
 

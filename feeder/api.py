@@ -78,6 +78,8 @@ def init_data_input_workers(
     pad_to_multiple_of: Optional[int] = None,
     length_window: Optional[int] = None,
     mask_names: Optional[Dict[str, str]] = None,
+    keep: Optional[Sequence[str]] = None,
+    replica: bool = False,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -104,8 +106,9 @@ def init_data_input_workers(
             chooses, while running, how many of up to 8 run. Ignored with worker processes.
         input_source_name: The source's name. Registrations that share it share its chunk
             queue: data-parallel replicas, each row going to one of them.
-        max_buffered_batches: Bound of the source's chunk queue, in chunks (the first
-            registration of a name sizes it).
+        max_buffered_batches: Bound of the source's chunk queue, in chunks as ``fetch_fun``
+            returns them (of any row count), not batches despite its name; the first
+            registration of a name sizes it. ``max_buffered_bytes`` bounds the bytes.
         init_fun: ``init_fun(feed, coordinator)``, called once, serially, by ``start()`` before
             any thread starts; an exception from it propagates from ``start()``.
         external_loggers: Objects with ``log(metrics: dict[str, float])``, called every
@@ -165,6 +168,17 @@ def init_data_input_workers(
             (``decoder_attention_mask`` for ``decoder_input_ids``), which it then takes (for one
             padded input). A mask need not be in ``input_names``: ``fetch_fun`` never returns it,
             and a session input of its name is fed with it.
+        keep: Names of arrays that ride along with each batch without being bound to the session,
+            so that outputs can be matched to their rows (ids, file names as fixed-width bytes or
+            str, labels): ``fetch_fun`` returns them after the inputs (a list in ``input_names +
+            keep`` order, or a dict with these keys too; a source of ``feeder.sources`` reads the
+            columns of these names). They are rebatched with the inputs (batch axis 0, the same row
+            count), may have any dtype (learned from the source's first chunk) and appear in
+            ``next_batch()``, iteration and ``run(..., with_batch=True)``. A name the session takes
+            as an input is refused: list it in ``input_names``.
+        replica: True says that registering a source name this coordinator already has is meant
+            (another data-parallel replica of it); without it, the first such registration of a
+            name logs a WARNING saying what it does. Registering again adds a replica either way.
 
     Returns:
         The coordinator the feed was registered on (the same object every time): call
@@ -231,6 +245,11 @@ def init_data_input_workers(
         raise TypeError(f"resume_from must be a dict from coord.state_dict(name) or None, "
                         f"got {type(resume_from).__name__}")
 
+    if isinstance(session, (str, bytes, os.PathLike)):
+        path = os.fsdecode(session)
+        raise TypeError(f"session is a path ({path!r}), not a session: load the model and pass the session, "
+                        f"session = onnxruntime.InferenceSession({path!r}, providers=[\"CPUExecutionProvider\"]) "
+                        f"(feeder.predict is the one that takes a model path)")
     if session is not None and not is_session(session):
         raise TypeError(f"session must be an onnxruntime.InferenceSession, a training session adapter or None, "
                         f"got {type(session).__name__}")
@@ -250,6 +269,11 @@ def init_data_input_workers(
         raise ValueError("pad_to_multiple_of and length_window need pad= (the inputs whose rows differ in shape: "
                          "without them there is nothing to pad, nor any length to sort by)")
     check_batch_size(batch_size, mask_specs, [0] * len(mask_specs), dont_rebatch)
+    kept = _kept_names(keep, names, session_specs, masks.values())
+    # Kept arrays follow the inputs in every chunk (so padding's and the row keys' places are
+    # unchanged), on batch axis 0, any dtype: never bound (feeder.runtime.Runner: "unfed").
+    names, specs, axes = names + kept, specs + [InputSpec(k) for k in kept], axes + [0] * len(kept)
+    replica = _bool("replica", replica)
     fixed = fixed_batch_inputs(specs + mask_specs, axes + [0] * len(mask_specs))
     if fixed and not dont_rebatch and last_batch == "keep":
         # The runtime cannot take a short batch on a fixed batch dimension, so a finite source's
@@ -297,11 +321,12 @@ def init_data_input_workers(
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
-                    placement=placement, padding=padding)
+                    placement=placement, padding=padding, kept=kept)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,
-                    ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from)
+                    ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from,
+                    replica=replica)
     return coord
 
 
@@ -355,12 +380,44 @@ def _input_names(input_names: Optional[Sequence[str]], session_specs: Optional[L
         known = [s.name for s in session_specs]
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"input_names {unknown} are not inputs of the session (its inputs: {known})")
+            raise ValueError(f"input_names {unknown} are not inputs of the session (its inputs: {known}); to "
+                             f"carry arrays with each batch without binding them (ids, names), pass keep={unknown}")
         missing = [n for n in known if n not in names and n not in masks]
         if missing:
             raise ValueError(f"the session's inputs {missing} are not in input_names {names}; "
                              f"feed.run() needs every input")
     return names
+
+
+def _kept_names(keep: Optional[Sequence[str]], names: List[str], session_specs: Optional[List[InputSpec]],
+                masks: Collection[str]) -> List[str]:
+    """The names of ``keep``, checked: str, distinct, neither an input nor a session input nor a mask."""
+    if keep is None:
+        return []
+    if isinstance(keep, (str, bytes)) or not hasattr(keep, "__iter__"):
+        raise TypeError(f"keep must be a list of names (str), got {type(keep).__name__}")
+    kept = list(keep)
+    for n in kept:
+        if not isinstance(n, str) or not n:
+            raise TypeError(f"keep must name arrays with non-empty str, got {n!r}")
+    dupes = sorted({n for n in kept if kept.count(n) > 1})
+    if dupes:
+        raise ValueError(f"keep has duplicates: {dupes}")
+    session = [s.name for s in session_specs] if session_specs is not None else []
+    fed = sorted(set(kept) & set(session))
+    if fed:
+        raise ValueError(f"keep names {fed}, which the session takes as inputs: kept arrays are never bound to the "
+                         f"session; name them in input_names instead (or not at all: input_names=None feeds "
+                         f"every input of the session)")
+    both = sorted(set(kept) & set(names))
+    if both:
+        raise ValueError(f"{both} are named in both input_names and keep: an array is either an input (bound to "
+                         f"the session) or kept (carried with the batch, never bound)")
+    masks_kept = sorted(set(kept) & set(masks))
+    if masks_kept:
+        raise ValueError(f"keep names {masks_kept}, which are the masks that pad= makes: they are in every batch "
+                         f"already")
+    return kept
 
 
 def _specs_for(names: List[str], session_specs: Optional[List[InputSpec]]) -> List[InputSpec]:

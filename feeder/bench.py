@@ -21,12 +21,18 @@ and warm-up excluded):
 - ``feeder + model, N threads|processes``: ``feed.run()`` end to end.
 
 Input names come from the model when there is one, else from the chunk (dict keys, or
-``input0, input1, ...`` for a list). The table has one line per configuration (rows/s and
-the ratio to the best line), then the best configuration; ``--json`` prints the same as JSON.
+``input0, input1, ...`` for a list). The table has one line per configuration, then the best
+configuration: the fastest ``feeder + model`` line when a model was measured, else the fastest
+``feeder`` line. ``vs best`` is each line's rate over that best line's, for the lines it can be
+compared with (those of its kind); the others show ``-`` (the ``fetch alone`` and ``model
+alone`` lines are bounds, and the last line says how close the best comes to its bound).
+``--json`` prints the same as JSON. Progress goes to stderr as each configuration is measured
+(``--quiet``: none).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -263,14 +269,19 @@ def supports_processes() -> bool:
     return "num_worker_processes" in inspect.signature(feeder.init_data_input_workers).parameters
 
 
+def config_name(workers: int, processes: bool, model: bool) -> str:
+    """``"feeder, 2 threads"``, ``"feeder + model, 1 process"``: a feeder line's name."""
+    unit = ("process" if processes else "thread") + ("" if workers == 1 else ("es" if processes else "s"))
+    return f"{'feeder + model' if model else 'feeder'}, {workers} {unit}"
+
+
 def measure_feeder(fetch: FetchFun, input_names: Sequence[str], batch_size: int, seconds: float, workers: int, *,
                    processes: bool = False, session: Any = None, timeout: float = 60.0) -> Result:
     """Run one feed for ``seconds`` after its first batch: ``next_batch()`` without a session,
     ``run()`` with one. Rows are counted from the feed's own metrics."""
     import feeder
 
-    unit = ("process" if processes else "thread") + ("" if workers == 1 else ("es" if processes else "s"))
-    label = f"{'feeder + model' if session is not None else 'feeder'}, {workers} {unit}"
+    label = config_name(workers, processes, session is not None)
     res = Result(label, "end_to_end" if session is not None else "feeder", workers=workers, processes=processes)
     coord = feeder.GlobalCoordinator()
     counts: Dict[str, Any] = {"num_worker_processes": workers} if processes else {"num_worker_threads": workers}
@@ -347,37 +358,57 @@ def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int =
               workers: Optional[Sequence[int]] = None, processes: Optional[bool] = None,
               progress: Optional[Callable[[str], None]] = None, provider: Optional[str] = None) -> List[Result]:
     """Every configuration in turn (see the module docstring); returns one Result per line.
-    ``provider``: where the model runs ("cpu", "cuda", "cuda:N"; None: the GPU where installed)."""
+    ``provider``: where the model runs ("cpu", "cuda", "cuda:N"; None: the GPU where installed).
+    ``progress(line)`` is called before each configuration (``"[3/11] feeder, 2 threads ..."``)
+    and after it (its rate, or its error)."""
     counts = list(workers) if workers is not None else worker_counts()
     processes = supports_processes() if processes is None else processes
     say = progress or (lambda msg: None)
     session = make_session(model, provider) if model else None
     model_names = [i.name for i in session.get_inputs()] if session is not None else None
+    configs = [(n, False) for n in counts] + ([(n, True) for n in counts] if processes else [])
+    total = 1 + len(configs) + ((1 + len(configs)) if session is not None else 0)
+    results: List[Result] = []
 
-    say("fetch alone")
-    fetch_res, kept = measure_fetch(fetch, batch_size, seconds, keep_rows=4 * batch_size)
-    results = [fetch_res]
+    def measured(label: str, measure: Callable[[], Result]) -> Result:
+        say(f"[{len(results) + 1}/{total}] {label}, about {seconds:g} s ...")
+        res = measure()
+        results.append(res)
+        say(f"[{len(results)}/{total}] {res.name}: "
+            + (f"error: {res.error}" if res.error is not None else f"{res.rows_per_s:,.0f} rows/s"))
+        return res
+
+    kept: List[Any] = []
+
+    def fetch_alone() -> Result:
+        res, got = measure_fetch(fetch, batch_size, seconds, keep_rows=4 * batch_size)
+        kept.extend(got)
+        if not got:
+            res.error = res.error or "the fetch function returned no chunk"
+        return res
+
+    measured("fetch alone", fetch_alone)
     if not kept:
-        fetch_res.error = fetch_res.error or "the fetch function returned no chunk"
         return results
     names = model_names or input_names_from_chunk(kept[0])
-    configs = [(n, False) for n in counts] + ([(n, True) for n in counts] if processes else [])
     for n, procs in configs:
-        say(f"feeder, {n} {'processes' if procs else 'threads'}")
-        results.append(measure_feeder(fetch, names, batch_size, seconds, n, processes=procs))
+        measured(config_name(n, procs, False),
+                 functools.partial(measure_feeder, fetch, names, batch_size, seconds, n, processes=procs))
     if session is not None:
-        say("model alone")
-        try:
-            chunks = [chunk_arrays(c, names) for c in kept]
-            batches = make_batches([c for c in chunks if c], batch_size)
-            batches = [{k: b[k] for k in names} for b in batches]
-        except Exception as e:
-            results.append(Result("model alone, 1 intra-op thread", "model", error=_describe(e)))
-        else:
-            results.append(measure_model(session, batches, seconds))
+        def model_alone() -> Result:
+            try:
+                chunks = [chunk_arrays(c, names) for c in kept]
+                batches = make_batches([c for c in chunks if c], batch_size)
+                batches = [{k: b[k] for k in names} for b in batches]
+            except Exception as e:
+                return Result("model alone, 1 intra-op thread", "model", error=_describe(e))
+            return measure_model(session, batches, seconds)
+
+        measured("model alone", model_alone)
         for n, procs in configs:
-            say(f"feeder + model, {n} {'processes' if procs else 'threads'}")
-            results.append(measure_feeder(fetch, names, batch_size, seconds, n, processes=procs, session=session))
+            measured(config_name(n, procs, True),
+                     functools.partial(measure_feeder, fetch, names, batch_size, seconds, n, processes=procs,
+                                       session=session))
     return results
 
 
@@ -393,28 +424,52 @@ def best(results: Sequence[Result]) -> Optional[Result]:
 
 # ---- output --------------------------------------------------------------------------------------
 HEADER = f"{'configuration':<36} {'rows/s':>14} {'vs best':>8}"
+# What bounds each kind of line: the fetch function alone bounds the feeder lines, the model alone
+# the feeder + model lines.
+BOUND_OF = {"feeder": "fetch", "end_to_end": "model"}
+BOUND_NAME = {"fetch": "the fetch function alone", "model": "the model alone"}
+BOUND_NOTE = {"fetch": "the fetch function alone, a bound for the feeder lines",
+              "model": "the model alone on batches in memory, a bound for the feeder + model lines"}
+
+
+def vs_best(r: Result, b: Optional[Result]) -> Optional[float]:
+    """``r``'s rate over the best line's (the one ``best`` chose), for a line of the best's kind;
+    None for the others, whose rate is not a configuration's to compare (a bound, or feeding
+    without the model when the model was measured)."""
+    if b is None or r.error is not None or r.kind != b.kind or b.rows_per_s <= 0:
+        return None
+    return r.rows_per_s / b.rows_per_s
 
 
 def format_table(results: Sequence[Result]) -> str:
-    """One line per configuration: name (36 wide), rows/s (integer with commas), ratio to the
-    fastest line (``0.50x``) or the error; then ``best: <name> (<rows/s> rows/s)``."""
-    top = max((r.rows_per_s for r in results), default=0.0)
+    """One line per configuration: name (36 wide), rows/s (integer with commas), the ratio to the
+    best line (``0.50x``, :func:`vs_best`; ``-`` where it does not apply) or the error; then
+    ``best: <name> (<rows/s> rows/s[, <ratio>x <bound>])``: the best line is the one at 1.00x."""
+    b = best(results)
     lines = [HEADER]
     for r in results:
         if r.error is not None:
             lines.append(f"{r.name:<36} {'-':>14} {'-':>8}  error: {r.error}")
             continue
-        ratio = r.rows_per_s / top if top > 0 else 0.0
-        note = f"  ({'; '.join(r.notes)})" if r.notes else ""
-        lines.append(f"{r.name:<36} {r.rows_per_s:>14,.0f} {ratio:>7.2f}x{note}")
-    b = best(results)
-    lines.append(f"best: {b.name} ({b.rows_per_s:,.0f} rows/s)" if b else "best: none (every configuration failed)")
+        ratio = vs_best(r, b)
+        notes = list(r.notes) + ([BOUND_NOTE[r.kind]] if r.kind in BOUND_NOTE else [])
+        note = f"  ({'; '.join(notes)})" if notes else ""
+        shown = f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}"
+        lines.append(f"{r.name:<36} {r.rows_per_s:>14,.0f} {shown}{note}")
+    if b is None:
+        lines.append("best: none (every configuration failed)")
+        return "\n".join(lines)
+    verdict = f"best: {b.name} ({b.rows_per_s:,.0f} rows/s"
+    bound = next((r for r in results if r.kind == BOUND_OF[b.kind] and r.error is None and r.rows_per_s > 0), None)
+    if bound is not None:
+        verdict += f", {b.rows_per_s / bound.rows_per_s:.2f}x {BOUND_NAME[bound.kind]}"
+    lines.append(verdict + ")")
     return "\n".join(lines)
 
 
 def to_json(results: Sequence[Result]) -> str:
     b = best(results)
-    rows = [dict(asdict(r), rows_per_s=r.rows_per_s) for r in results]
+    rows = [dict(asdict(r), rows_per_s=r.rows_per_s, vs_best=vs_best(r, b)) for r in results]
     return json.dumps({"results": rows, "best": b.name if b else None}, indent=2)
 
 
@@ -429,6 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--provider", default=None, metavar="cpu|cuda|cuda:N",
                         help="where the model runs (default: the GPU where onnxruntime-gpu is installed, else the CPU)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
@@ -448,9 +504,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (ValueError, TypeError) as e:
             parser.error(f"--provider {args.provider}: {e}")
     counts = worker_counts(args.workers) if args.workers else None
-    quiet = args.json or not sys.stderr.isatty()
+    # Progress on stderr (a run takes seconds per configuration, a minute in all): whether stderr is a
+    # terminal or a log file, stdout keeps only the table or the JSON.
     results = run_bench(fetch, model=args.model, batch_size=args.batch_size, seconds=args.seconds, workers=counts,
-                        progress=None if quiet else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr)),
+                        progress=None if args.quiet else (lambda line: print(f"feeder bench {line}", file=sys.stderr,
+                                                                             flush=True)),
                         provider=args.provider)
     print(to_json(results) if args.json else format_table(results))
     if not supports_processes():

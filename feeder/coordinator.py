@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .chunkqueue import ChunkQueue
 from .errors import FeederError
@@ -56,6 +56,8 @@ class GlobalCoordinator:
         self._starting = False  # inside start(): an init_fun calling start() again is an error
         # The row keys of stopped sources, so that state_dict(name) works after stop().
         self._stopped_keys: Dict[str, Tuple[KeyLedger, Any]] = {}
+        # Source names whose second registration was warned about (once per name until it is stopped).
+        self._replicas_told: Set[str] = set()
 
     # ---- registration ------------------------------------------------------------------
     def get_queue(self, name: str, max_buffered_batches: int) -> ChunkQueue:
@@ -80,8 +82,10 @@ class GlobalCoordinator:
     def _register(self, make_feed: Callable[[ChunkQueue, List[int]], Feed], *, name: str,
                   input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
                   max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int],
-                  specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None) -> Feed:
+                  specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None,
+                  replica: bool = False) -> Feed:
         with self._lock:
+            others = sum(1 for f in self._feeds if f.input_source_name == name)
             for other in self._feeds:
                 if other.input_source_name != name:
                     continue
@@ -110,6 +114,16 @@ class GlobalCoordinator:
             q.register_workers(ids)
             q.add_holder(feed._held_rows, feed._ready.delivered, feed._starved)
             self._feeds.append(feed)
+            if others and not replica and name not in self._replicas_told:
+                # Registering a name again adds a replica (the contract); a notebook cell run again
+                # does it by accident, and coord.feed(name) then refuses: say so, once per name.
+                self._replicas_told.add(name)
+                log.warning("source %r was already registered on this coordinator: this registration adds a "
+                            "replica (%d feeds now share its queue and its rows; coord.feed(%r) refuses, "
+                            "coord.feeds(%r) lists them). To replace the first registration instead (a notebook "
+                            "cell run again), call coord.stop_coordinator(%r) before registering again; to add "
+                            "replicas on purpose, pass replica=True. (Logged once per source name.)",
+                            name, others + 1, name, name, name)
             return feed
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -191,6 +205,7 @@ class GlobalCoordinator:
             feeds, self._feeds = self._feeds, []
             queues, self._queues = list(self._queues.values()), {}
             monitor, self._monitor = self._monitor, None
+            self._replicas_told.clear()
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
@@ -210,6 +225,7 @@ class GlobalCoordinator:
             self._feeds = [f for f in self._feeds if f.input_source_name != name]
             q = self._queues.pop(name, None)
             monitor = self._monitor
+            self._replicas_told.discard(name)
         return self._shutdown(feeds, [q] if q is not None else [], monitor, stop_monitor=False, timeout=None)
 
     def _shutdown(self, feeds: Sequence[Feed], queues: Sequence[ChunkQueue], monitor: Optional[Monitor],
@@ -217,6 +233,7 @@ class GlobalCoordinator:
         deadline = time.monotonic() + (self.join_timeout if timeout is None else timeout)
         for feed in feeds:
             feed._signal_stop(deadline)  # worker processes are stopped against the same budget
+        ended = {q.name: not q.live_workers() for q in queues}  # (before the stop makes every worker end)
         discarded = {q.name: q.close() for q in queues}  # wakes every blocked put and get at once
         # Before the join: a fetch call waiting on its source's iterator (Ray Data) returns once released.
         release_sources(feeds)
@@ -239,7 +256,7 @@ class GlobalCoordinator:
                     self._stopped_keys[q.name] = (q.row_keys, mine[0].fetch_fun)
         for name, (chunks, rows) in discarded.items():
             if rows:
-                log.info("source %r: stop discarded %d buffered rows in %d chunks", name, rows, chunks)
+                _log_discarded(name, rows, chunks, ended[name], [f for f in feeds if f.input_source_name == name])
         if monitor is not None:
             # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
             reported = monitor.final([functools.partial(f.stats.report, final=True) for f in feeds if f._started])
@@ -365,6 +382,33 @@ def _check_main_script(pending: Sequence[Feed]) -> None:
             raise FeederError(f"source {feed.input_source_name!r}: start() was called from the top level of "
                               f"{where[0]} (line {where[1]}), outside `if __name__ == \"__main__\":`, with worker "
                               f"processes started by {method!r}; no process was started: {ADVICE}")
+
+
+def _log_discarded(name: str, rows: int, chunks: int, ended: bool, feeds: Sequence[Feed]) -> None:
+    """Say what a stop discarded, as loudly as it matters. Fetchers run ahead of the consumers, so a
+    source that is still being read always has rows in its queue at a stop: after a job that ran
+    as long as it meant to, those are of no interest (DEBUG). Rows of a finite source (one whose
+    workers had all ended, or a source of ``feeder.sources`` with a number of epochs) that never
+    reached a consumer are part of the data the job did not see: INFO."""
+    if ended or any(_epochs(f.fetch_fun) is not None for f in feeds):
+        log.info("source %r: stop discarded %d rows of this finite source (%d chunks) that no consumer had taken%s",
+                 name, rows, chunks, ": its fetchers had read it to the end" if ended else "")
+    else:
+        log.debug("source %r: stop discarded %d prefetched rows in %d chunks (fetched ahead of the consumers)",
+                  name, rows, chunks)
+
+
+def _epochs(fetch_fun: Any) -> Optional[int]:
+    """The number of epochs of a source of ``feeder.sources`` (a map or filter of one included);
+    None for an endless one, or a fetch function that does not say."""
+    for _ in range(16):  # (a chain of maps and filters)
+        epochs = getattr(fetch_fun, "epochs", None)
+        if isinstance(epochs, int):
+            return epochs
+        fetch_fun = getattr(fetch_fun, "wrapped", None)
+        if fetch_fun is None:
+            return None
+    return None
 
 
 def _audit_when_discarded(q: ChunkQueue, late: Sequence[Feed]) -> None:

@@ -115,7 +115,8 @@ def verdict(t: StageTimes) -> str:
             reading = max(0.0, t.fetch_s - t.transform_s)
             steps = (f" (reading {reading:.2f} s, map/filter functions {t.transform_s:.2f} s"
                      + (f", {t.rows_filtered:,.0f} rows filtered" if t.rows_filtered else "") + ")")
-        figures += (f"; {t.workers} fetcher {t.mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time{steps}, "
+        mode = t.mode if t.workers != 1 else {"threads": "thread", "processes": "process"}.get(t.mode, t.mode)
+        figures += (f"; {t.workers} fetcher {mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time{steps}, "
                     f"blocked on a full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
                     f"{fetched:,.0f} rows/s")
     out.append(figures + f"; queue of {t.queue_capacity:.0f} chunks.")
@@ -128,8 +129,8 @@ def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_
     advice = []
     if blocked >= BLOCKED_SHARE:
         advice.append(f"Yet the fetchers were blocked on a full queue {_pct(blocked, 1)} of their time: the "
-                      f"queue does not absorb bursts, so raise max_buffered_batches (now {t.queue_capacity:.0f}), "
-                      f"or the rebatching thread is the bottleneck (fewer, larger chunks help).")
+                      f"queue does not absorb bursts, so raise max_buffered_batches (now {t.queue_capacity:.0f} "
+                      f"chunks), or the rebatching thread is the bottleneck (fewer, larger chunks help).")
     elif t.mode == "threads" and t.workers >= 2 and cores >= CPU_BOUND and cores <= GIL_CORES and busy >= 0.5:
         advice.append(f"The {t.workers} fetcher threads used {cores:.2f} CPU cores in all: Python fetch code holds "
                       f"the GIL, so threads take turns. Use worker processes (num_worker_processes="

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from multiprocessing.context import BaseContext
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union, cast, overload
 
 import numpy as np
 
@@ -65,7 +65,9 @@ class Feed:
     ``coord.feeds(name)`` for replicas). What a consumer calls, after ``coord.start()``:
 
     - :meth:`next_batch`: the next batch as ``{input name: numpy array}``;
-    - :meth:`run`: the next batch run through the session, its outputs returned;
+    - :meth:`run`: the next batch run through the session, its outputs returned (with
+      ``with_batch=True``, and the batch's arrays, kept ones included);
+    - :meth:`runs`: ``run()`` on every batch until a finite source ends, as an iterator;
     - iteration, ``for batch in feed:``: ``next_batch()`` until a finite source ends;
     - :meth:`metrics`, :meth:`diagnose`, :meth:`stage_times`: what the feed measured.
 
@@ -77,11 +79,12 @@ class Feed:
 
     Attributes:
         input_source_name: The name of the source this feed draws from.
-        input_names: The inputs of each batch, in order (a resumable source's row-key
-            column is not among them: it is stripped from every batch; the masks of ``pad=``
-            inputs are, last).
-        fetched_names: The inputs ``fetch_fun`` returns, in order: ``input_names`` without the
+        input_names: The arrays of each batch, in order: the inputs, then the ``keep=`` arrays,
+            then the masks of ``pad=`` inputs (a resumable source's row-key column is not among
+            them: it is stripped from every batch).
+        fetched_names: The arrays ``fetch_fun`` returns, in order: ``input_names`` without the
             masks that padding makes.
+        kept_names: The ``keep=`` arrays: in every batch, never bound to the session.
         worker_ids: The worker ids of this registration's fetchers, threads or processes.
         session: The session given at registration, or None.
         timeout: Seconds a consumer call waits by default before ``FeedTimeout``.
@@ -93,7 +96,8 @@ class Feed:
                  external_loggers: Sequence[Any], dont_rebatch: bool, timeout: float, last_batch: str,
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
-                 placement: Optional[Placement] = None, padding: Optional[Padding] = None):
+                 placement: Optional[Placement] = None, padding: Optional[Padding] = None,
+                 kept: Sequence[str] = ()):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -104,6 +108,8 @@ class Feed:
         # pad=: each padded input's mask follows the inputs in every batch (feeder.padding)
         self.fetched_names: List[str] = public_names(input_names)
         self.input_names: List[str] = self.fetched_names + (padding.mask_names() if padding else [])
+        # keep=: arrays after the inputs that ride along, never bound (the Runner's "unfed" ones)
+        self.kept_names: List[str] = list(kept)
         self._keyed = len(self._all_names) > len(public_names(input_names))
         self.worker_ids: List[int] = list(worker_ids)
         self._batch_size = int(batch_size)
@@ -656,8 +662,21 @@ class Feed:
             batch.release()  # handed out as host arrays: its device copy is not needed
         return batch.as_dict()
 
+    @overload
+    def run(self, output_names: Optional[Sequence[str]] = ..., run_options: Any = ..., *, outputs: str = ...,
+            with_batch: Literal[False] = ...) -> List[Any]: ...
+
+    @overload
+    def run(self, output_names: Optional[Sequence[str]] = ..., run_options: Any = ..., *, outputs: str = ...,
+            with_batch: Literal[True]) -> Tuple[List[Any], Dict[str, np.ndarray]]: ...
+
+    @overload
+    def run(self, output_names: Optional[Sequence[str]] = ..., run_options: Any = ..., *, outputs: str = ...,
+            with_batch: bool = ...) -> Union[List[Any], Tuple[List[Any], Dict[str, np.ndarray]]]: ...
+
     def run(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None, *,
-            outputs: str = "host") -> List[Any]:
+            outputs: str = "host", with_batch: bool = False
+            ) -> Union[List[Any], Tuple[List[Any], Dict[str, np.ndarray]]]:
         """Run the session on the next batch and return its outputs.
 
         The batch's OrtValues, and with IOBinding its binding, were prepared before the call (on
@@ -672,10 +691,14 @@ class Feed:
             outputs: ``"host"`` (default): numpy arrays, in buffers reused once you drop them;
                 ``"device"``: ``onnxruntime.OrtValue``s on the session's device (a GPU's memory
                 for a CUDA session), yours to keep: nothing reuses them.
+            with_batch: True returns ``(outputs, batch)``, where ``batch`` is the batch that was
+                run as ``{name: numpy array}``: its inputs, its ``keep=`` arrays (ids, file names:
+                what maps each output row back to its record) and the masks of ``pad=`` inputs,
+                as :meth:`next_batch` gives them. Its arrays stay valid while you hold them.
 
         Returns:
             One output per name, in the order asked for: numpy arrays (``outputs="host"``) or
-            OrtValues.
+            OrtValues; with ``with_batch=True``, ``(outputs, batch)``.
 
         Raises:
             FeederError: The feed has no session (registered with ``session=None``), or was
@@ -686,6 +709,7 @@ class Feed:
                 :meth:`next_batch`.
             ValueError: ``outputs`` is neither "host" nor "device", or "device" for a session
                 whose outputs come back as numpy only (a training adapter, string inputs).
+            TypeError: ``with_batch`` is not a bool.
         """
         runner = self._runner
         if runner is None:
@@ -693,11 +717,60 @@ class Feed:
                               f"use next_batch() or iterate over it")
         if outputs != "host" and (outputs != "device" or not runner.device_outputs):
             runner.check_outputs(outputs)
+        if with_batch is not False and with_batch is not True:
+            raise TypeError(f"with_batch must be a bool, got {type(with_batch).__name__}")
         batch, start, t0 = self._next_prepared(None)
+        arrays = batch.as_dict() if with_batch else None  # (the run may give its device slot back)
         try:
-            return runner.run(batch, output_names, run_options, outputs)
+            got = runner.run(batch, output_names, run_options, outputs)
         finally:
             self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, time.monotonic())
+        return (got, arrays) if arrays is not None else got
+
+    def runs(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None, *,
+             outputs: str = "host", with_batch: bool = False) -> Iterator[Any]:
+        """:meth:`run` on every batch until a finite source ends: ``for outputs in feed.runs():``.
+
+        Each step is one ``run(output_names, run_options, outputs=outputs,
+        with_batch=with_batch)``; the iterator ends where ``run()`` would raise
+        ``StopIteration`` (so no ``StopIteration`` escapes into a generator that loops over it,
+        which Python would turn into a ``RuntimeError``). An endless source's iterator never
+        ends. Everything else ``run()`` raises (``FeedTimeout``, ``FetchError``,
+        ``InputValidationError``, ``FeedStopped``) comes out of the loop.
+
+        Args:
+            output_names: As for :meth:`run`.
+            run_options: As for :meth:`run` (the same object for every run).
+            outputs: As for :meth:`run`.
+            with_batch: As for :meth:`run`: each item is then ``(outputs, batch)``.
+
+        Returns:
+            An iterator of what ``run()`` returns, one item per batch.
+
+        Raises:
+            FeederError: The feed has no session (at this call, not at the first step).
+            ValueError: ``outputs`` is neither "host" nor "device" (or "device" where the session
+                cannot give it), at this call.
+            TypeError: ``with_batch`` is not a bool, at this call.
+        """
+        runner = self._runner
+        if runner is None:
+            raise FeederError(f"source {self.input_source_name!r}: this feed has no session; "
+                              f"iterate over it (for batch in feed) or use next_batch()")
+        if outputs != "host":
+            runner.check_outputs(outputs)
+        if with_batch is not False and with_batch is not True:
+            raise TypeError(f"with_batch must be a bool, got {type(with_batch).__name__}")
+        return self._runs(output_names, run_options, outputs, with_batch)
+
+    def _runs(self, output_names: Optional[Sequence[str]], run_options: Any, outputs: str,
+              with_batch: bool) -> Iterator[Any]:
+        while True:
+            try:
+                got = self.run(output_names, run_options, outputs=outputs, with_batch=with_batch)
+            except StopIteration:  # the end of a finite source: the end of the loop (PEP 479)
+                return
+            yield got
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         return self

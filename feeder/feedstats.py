@@ -10,6 +10,7 @@ from typing import Any, Dict, FrozenSet, List, Tuple
 
 from .diagnosis import StageTimes, verdict
 from .metrics import send_to_external_loggers
+from .pacing import NONE_PAUSE_MAX_S
 from .runtime import intra_op_threads
 from .sources.base import describe_source
 
@@ -67,6 +68,14 @@ class FeedStats:
     def timeout_message(self, waited: float) -> str:
         now = time.monotonic()
         lines = [f"source {self.feed.input_source_name!r}: no batch within {waited:.2f} s: {self.status_line()}"]
+        calls = sum(w.calls for w in self.feed._workers)
+        nones = sum(w.none_chunks for w in self.feed._workers)
+        if nones:  # a fetch function that finds nothing: say so first, not only its latest call's number
+            if nones >= calls:
+                lines.append(f"  every fetch_fun call ({calls}) returned None (nothing this time); the fetchers "
+                             f"pause up to {NONE_PAUSE_MAX_S * 1e3:.0f} ms between such calls")
+            else:
+                lines.append(f"  {nones} of the {calls} fetch_fun calls returned None (nothing this time)")
         what = describe_source(self.feed._fetch_fun)
         if what:
             lines.append(f"  fetch_fun: {what}")
@@ -178,7 +187,7 @@ class FeedStats:
         m = self.metrics_at(now)
         rate = self.feed._meter.rate(m["rows"], now)
         m["inputs_per_sec_interval"] = rate
-        log.info("feeder source %r%s: %.1f inputs/s (%.1f overall), %d batches, queue %d/%d chunks, "
+        log.info("feeder source %r%s: %.1f rows/s (%.1f overall), %d batches, queue %d/%d chunks, "
                  "%d ready, %d live fetchers, %d active%s", self.feed.input_source_name, " (final)" if final else "",
                  rate,
                  m["inputs_per_sec"], m["batches"], m["queue_size"], m["queue_capacity"], m["ready_batches"],

@@ -33,6 +33,7 @@ import numpy as np
 
 from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .errors import Failure, FeederError, FetchError, InputValidationError
+from .pacing import AFTER_NONE, NoneReport, none_pause
 from .rebatcher import BufferRing, Rebatcher
 from .sources.base import SKIP
 from .tuning import Throttle
@@ -458,10 +459,14 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
                throttle: Optional[Throttle] = None, turns: Optional[Turns] = None,
-               pump: Optional[Callable[[Chunk], Optional[bool]]] = None) -> None:
+               pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
+               nones: Optional[NoneReport] = None) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
     ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run; with
-    ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn."""
+    ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn.
+    After a call that returned None it pauses (``none_pause``) and reports it to ``nones``."""
+    nones = nones if nones is not None else NoneReport(source_name)
+    pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
     co = None
     if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
@@ -572,8 +577,22 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 cpu_due = now + CPU_SAMPLE_S
             if raw is None:
                 state.none_chunks += 1
-                log.warning("source %r worker %d: fetch_fun returned None; skipped", source_name, wid)
+                nones.note(wid)
+                # Nothing this time: nothing is likely to come at once either. Held rows go now (they
+                # must not wait on the pause), the turn goes to another fetcher, and the next call
+                # waits a little longer after each None in a row (stop ends the wait at once).
+                if co is not None and co.rb.pending_rows and not co.put_pending():
+                    return
+                if mine and turns is not None:
+                    turns.give(wid)
+                    mine = False
+                pause = none_pause(pause)
+                state.set(AFTER_NONE)
+                if stop.wait(pause):
+                    return
+                now = monotonic()
                 continue
+            pause = 0.0
             if raw is SKIP:  # nothing this time, on purpose; an ordered source's round-robin counts the turn
                 if source.ordered and not put_chunk(source, Chunk(wid, (), 0), state, stop, pump):
                     return
@@ -654,6 +673,7 @@ class ThreadFetchers:
         self._stop = stop
         self._throttle = throttle
         self._batch_size = 0
+        self.nones = NoneReport(source.name)  # fetch_fun returning None, logged for all of them
 
     def start(self, batch_size: int, coalesce: bool) -> None:
         self._batch_size = batch_size
@@ -669,7 +689,7 @@ class ThreadFetchers:
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
                             validator=self._validator, state=state, batch_size=lambda: self._batch_size,
                             stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
-                            throttle=self._throttle, turns=turns, pump=self._pump))
+                            throttle=self._throttle, turns=turns, pump=self._pump, nones=self.nones))
         for state in self.states:
             state.set("starting")
             assert state.thread is not None

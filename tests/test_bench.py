@@ -24,20 +24,25 @@ FETCH_MODULE = textwrap.dedent("""
     def fetch_list(worker_id, batch_size):
         return [np.ones((5, 4), np.float32), np.arange(5)]
 """)
-LINE = re.compile(r"^(?P<name>.+?)\s{2,}(?P<rate>[\d,]+)\s+(?P<ratio>\d+\.\d\d)x(?:\s+\((?P<note>.*)\))?$")
+LINE = re.compile(r"^(?P<name>.+?)\s{2,}(?P<rate>[\d,]+)\s+(?:(?P<ratio>\d+\.\d\d)x|-)(?:\s+\((?P<note>.*)\))?$")
 
 
 def parse_table(text: str):
-    """{configuration: (rows/s, ratio)} and the best line's configuration name."""
+    """{configuration: (rows/s, ratio or None where the line shows "-")} and the best line's
+    configuration name; checks that the "vs best" column and the verdict agree: the lines at
+    1.00x are the best line (and lines that tie with it), and none shows 0.00x."""
     lines = text.strip().splitlines()
     assert lines[0].split() == ["configuration", "rows/s", "vs", "best"]
     rows = {}
     for line in lines[1:-1]:
         m = LINE.match(line)
         assert m, f"unparseable line: {line!r}"
-        rows[m["name"].strip()] = (float(m["rate"].replace(",", "")), float(m["ratio"]))
-    best = re.fullmatch(r"best: (.+) \(([\d,]+) rows/s\)", lines[-1])
+        rows[m["name"].strip()] = (float(m["rate"].replace(",", "")), float(m["ratio"]) if m["ratio"] else None)
+    best = re.fullmatch(r"best: (.+?) \(([\d,]+) rows/s(?:, \d+\.\d\dx the (?:fetch function|model) alone)?\)",
+                        lines[-1])
     assert best, lines[-1]
+    assert rows[best[1]][1] == 1.0, text  # the verdict's line is the one at 1.00x
+    assert all(r[1] is None or r[1] > 0 for r in rows.values()), text  # never 0.00x
     return rows, best[1]
 
 
@@ -77,7 +82,8 @@ def test_run_bench_without_model_measures_fetch_and_threads(module_dir):
     assert bench.best(results).name.startswith("feeder, ")
     rows, best = parse_table(bench.format_table(results))
     assert set(rows) == {r.name for r in results} and best in rows
-    assert max(ratio for _, ratio in rows.values()) == 1.0
+    assert max(ratio for _, ratio in rows.values() if ratio is not None) == 1.0
+    assert rows["fetch alone, 1 thread"][1] is None  # a bound, not a configuration to compare
 
 
 def test_a_failing_configuration_is_reported_not_raised():
@@ -103,7 +109,15 @@ def test_feeder_bench_command_with_a_model(module_dir):
     assert expected <= set(rows), out.stdout
     assert best.startswith("feeder + model, ")
     assert all(rate > 0 for rate, _ in rows.values())
-    assert max(ratio for _, ratio in rows.values()) == 1.0
+    assert max(ratio for _, ratio in rows.values() if ratio is not None) == 1.0
+    # every feeder + model line is compared with the best one; the model alone is its bound
+    assert all(ratio is not None for name, (_, ratio) in rows.items() if name.startswith("feeder + model"))
+    assert rows["model alone, 1 intra-op thread"][1] is None and rows["feeder, 1 thread"][1] is None
+    assert out.stdout.strip().splitlines()[-1].endswith("x the model alone)"), out.stdout
+    # progress while it runs, on stderr, one line before and after each configuration
+    progress = [line for line in out.stderr.splitlines() if line.startswith("feeder bench [")]
+    assert len(progress) == 2 * len(rows), out.stderr
+    assert progress[0].startswith(f"feeder bench [1/{len(rows)}] fetch alone"), out.stderr
 
 
 def test_feeder_bench_json_and_usage(module_dir):
@@ -117,6 +131,11 @@ def test_feeder_bench_json_and_usage(module_dir):
     assert {r["name"] for r in feeder_lines} == {"feeder, 1 thread", "feeder, 1 process"}
     assert data["best"] == max(feeder_lines, key=lambda r: r["rows_per_s"])["name"]
     assert {r["kind"] for r in data["results"]} == {"fetch", "feeder"}
+    by_name = {r["name"]: r for r in data["results"]}
+    assert by_name[data["best"]]["vs_best"] == 1.0 and by_name["fetch alone, 1 thread"]["vs_best"] is None
+    quiet = subprocess.run([sys.executable, "-m", "feeder", "bench", "bench_fetch_mod:fetch", "--seconds", "0.1",
+                            "--workers", "1", "--quiet"], cwd=module_dir, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and "feeder bench [" not in quiet.stderr, quiet.stderr
     usage = subprocess.run([sys.executable, "-m", "feeder"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "bench" in usage.stderr
 

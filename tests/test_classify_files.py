@@ -184,17 +184,38 @@ def test_features_equal_magikas(folder):
             assert row.tolist() == list(features.beg) + list(features.end), path
 
 
-def test_index_passthrough_leaves_the_scores_unchanged():
+def test_the_session_is_magikas_model_as_shipped():
+    # The file indices ride along as a kept array (keep=["row_index"]), not through the model: the
+    # example once added a pass-through input and output to Magika's model for them.
     import onnxruntime as ort
 
     plain = ort.InferenceSession(cf.model_path(), providers=["CPUExecutionProvider"])
     ours = cf.make_session()
-    assert [i.name for i in ours.get_inputs()] == ["bytes", cf.INDEX_INPUT]
+    assert [i.name for i in ours.get_inputs()] == [i.name for i in plain.get_inputs()] == ["bytes"]
+    assert [o.name for o in ours.get_outputs()] == [o.name for o in plain.get_outputs()]
     x = np.random.default_rng(1).integers(0, 257, (5, 2048)).astype(np.int32)
-    idx = np.array([7, 3, 11, 0, 2], dtype=np.int64)
-    scores, rows = ours.run(None, {"bytes": x, cf.INDEX_INPUT: idx})
-    np.testing.assert_array_equal(rows, idx)
-    np.testing.assert_array_equal(scores, plain.run(None, {"bytes": x})[0])
+    np.testing.assert_array_equal(ours.run(None, {"bytes": x})[0], plain.run(None, {"bytes": x})[0])
+
+
+def test_each_batch_carries_its_file_indices_as_a_kept_array(folder):
+    import feeder
+
+    cfg = cf.MagikaConfig()
+    job = cf._Job(folder * 2, cfg, files_per_chunk=3)
+    coord = feeder.GlobalCoordinator()
+    feeder.init_data_input_workers(cf.make_session(), [cf.BYTES_INPUT], job.fetch, 4, keep=[cf.INDEX_INPUT],
+                                   coordinator=coord, num_worker_threads=2)
+    try:
+        with coord:
+            feed = coord.feed("train")
+            for (scores,), batch in feed.runs([cf.SCORES_OUTPUT], with_batch=True):
+                assert set(batch) == {cf.BYTES_INPUT, cf.INDEX_INPUT} and len(batch[cf.INDEX_INPUT]) == len(scores)
+                for i, row in zip(batch[cf.INDEX_INPUT].tolist(), batch[cf.BYTES_INPUT]):
+                    expected = np.full(cfg.width, cfg.padding_token, dtype=np.int32)
+                    assert cf.features_or_label(job.paths[i], cfg, expected) is None
+                    np.testing.assert_array_equal(row, expected)  # the index is this row's file
+    finally:
+        coord.stop()
 
 
 def test_empty_list():

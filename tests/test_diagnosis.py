@@ -62,7 +62,7 @@ def test_slow_fetch_is_input_bound_and_asks_for_more_threads(coord):
     text = feed.diagnose()
     assert text.startswith("Input-bound"), text
     assert "more worker threads" in text and "num_worker_threads=2" in text
-    assert "Figures:" in text and "1 fetcher threads" in text
+    assert "Figures:" in text and "; 1 fetcher thread: in fetch_fun" in text  # (it said "1 fetcher threads")
 
 
 def test_slow_model_is_model_bound(coord):
@@ -144,7 +144,7 @@ def test_cpu_bound_processes_are_told_to_add_processes():
 
 def test_fetchers_blocked_on_a_full_queue_while_the_consumer_waits_ask_for_a_larger_queue():
     text = verdict(times(fetch_s=8.0, fetch_blocked_s=10.0, fetch_cpu_s=4.0, queue_capacity=4))
-    assert "max_buffered_batches (now 4)" in text
+    assert "max_buffered_batches (now 4 chunks)" in text
 
 
 def test_spinning_intra_op_threads_are_named_when_fetchers_need_cpu():

@@ -52,10 +52,12 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
+from ..pacing import AFTER_NONE, none_pause
 from ..ragged import concat_shapes
 from ..rebatcher import take_rows
 from ..sources.base import SKIP
 from ..validation import ChunkValidator
+from .remotetb import Frame, frames_of
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -86,6 +88,7 @@ TRIM_EVERY = 32               # chunks between two looks for free segments to gi
 STACKS_BYTES = 0              # the faulthandler file grows as it is written
 CPU_SAMPLE_S = 0.05           # the child reads its CPU clock this often
 STATS_S = 0.25                # a fetch that blocks still reports its figures this often
+PAUSE_SLICE_S = 0.01          # a pause after fetch_fun returned None looks at stop this often
 
 
 _FINAL = frozenset({"end", "bye", "error", "invalid", "stats", "stack"})
@@ -268,6 +271,22 @@ class _Child:
         finally:
             self.status.set(before)
 
+    def pause(self, seconds: float) -> bool:
+        """After fetch_fun returned None: wait ``seconds`` (in slices, the lock let go: nothing is
+        held, see ``flush``) before the next call; False on stop."""
+        self.status.set(AFTER_NONE)
+        deadline = time.monotonic() + seconds
+        self.lock.release()
+        try:
+            while not self.stopped():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return True
+                time.sleep(min(left, PAUSE_SLICE_S))
+            return False
+        finally:
+            self.lock.acquire()
+
     def wait_go(self) -> bool:
         return self._wait(lambda: bool(self.control.fields[GO]), "parked (auto concurrency)")
 
@@ -411,9 +430,15 @@ def _write_rows(values: np.ndarray, starts: np.ndarray, parts: Sequence[Any]) ->
         pos, row = pos + total, row + n
 
 
-def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str]:
-    """(pickled exception or None, type name, str, traceback text) of an exception."""
+def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, str, List[Frame]]:
+    """(pickled exception or None, type name, str, traceback text, the frames of its traceback)
+    of an exception. The parent rebuilds the traceback from the frames
+    (``feeder.processes.remotetb``): pickling drops it."""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        frames = frames_of(e)
+    except Exception:
+        frames = []
     try:
         pickled = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
         pickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt
@@ -424,7 +449,7 @@ def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, st
         text = str(e)
     except Exception:
         text = f"<{type(e).__name__}: str() failed>"
-    return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb
+    return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb, frames
 
 
 # glibc's malloc in a worker process: keep freed memory for reuse. A fetch function that makes a
@@ -637,6 +662,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
     stats_due = monotonic() + STATS_S
     stop = child.stop
     carried: Optional[Tuple[Any, Optional[BaseException], float, float]] = None  # a call the burst made
+    pause = 0.0  # the last pause after fetch_fun returned None; 0.0 once a call returned something else
     lock.acquire()  # released only around fetch_fun (see _Child.lock)
     try:
         while not stop.is_set() and not fields[STOP]:
@@ -678,7 +704,11 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             if raw is None:
                 child.none_chunks += 1
                 child.send("none")
+                pause = none_pause(pause)  # (feeder.fetchers: as a fetcher thread does)
+                if not child.flush() or not child.pause(pause):
+                    return
                 continue
+            pause = 0.0
             if raw is SKIP:  # nothing, on purpose; the parent counts the turn of an ordered source (no coalescing)
                 if not coalesce:
                     child.send("skip")

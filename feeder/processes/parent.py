@@ -11,7 +11,9 @@ source's queue like a fetcher thread's chunk, and the slot is handed back when t
 is gone. The receiver is also where the child's failures become the source's failure:
 
 * an exception in ``fetch_fun``: ``FetchError`` from the original (unpickled) exception, or from
-  a :class:`feeder.RemoteError` when it cannot be rebuilt; the child's traceback is in the message;
+  a :class:`feeder.RemoteError` when it cannot be rebuilt, with the child's traceback rebuilt on it
+  (``feeder.processes.remotetb``: it prints with the user's file, line and source text); the
+  traceback's text is in the message too;
 * a process that ends without saying so (``os._exit``, a segfault, SIGKILL): ``FetchError``
   naming worker id, pid and exit code or signal; the channel reaches end-of-file at once, so
   this takes milliseconds, and ``is_alive`` is checked every ``SLICE_S`` as well.
@@ -64,10 +66,12 @@ import numpy as np
 from ..chunkqueue import Chunk, ChunkQueue
 from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
+from ..pacing import NoneReport
 from ..tuning import Throttle
 from ..validation import ChunkValidator
 from .child import worker_main
 from .mainguard import ADVICE, MAIN_REIMPORT_EXIT
+from .remotetb import attach
 from .sending import Sendable
 from .shm import (
     ACKED,
@@ -270,6 +274,7 @@ class ProcFetchers:
         self._reaper: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._device: Optional[int] = None  # where children's segments must live (feeder.processes.shm.check_segment)
+        self.nones = NoneReport(source.name)  # fetch_fun returning None, logged for all of them
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, batch_size: int, coalesce: bool) -> None:
@@ -490,9 +495,8 @@ class ProcFetchers:
             elif kind == "drop":
                 for slot in msg[1]:
                     w.maps.pop(slot, None)
-            elif kind == "none":
-                state.none_chunks += 0  # counted by the child; the figures came with the message
-                log.warning("source %r worker %d: fetch_fun returned None; skipped", source.name, state.worker_id)
+            elif kind == "none":  # counted by the child (the figures came with the message), which pauses
+                self.nones.note(state.worker_id)
             elif kind == "empty":
                 log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
                             source.name, state.worker_id)
@@ -609,13 +613,17 @@ class ProcFetchers:
 
     def _error(self, w: _Worker, msg: Tuple[Any, ...]) -> bool:
         """An exception in the child; True if it fails the source."""
-        _, data, type_name, text, tb, fatal, where, _stats = msg
+        _, data, type_name, text, tb, frames, fatal, where, _stats = msg
         state, source = w.state, self.source
         cause: BaseException
         try:
             cause = pickle.loads(data) if data is not None else RemoteError(f"{type_name}: {text}\n{tb}")
         except Exception:
             cause = RemoteError(f"{type_name}: {text}\n{tb}")
+        # The cause prints with the worker's frames (file, line, source text), as a local one would;
+        # the message keeps the text of the whole traceback (chained exceptions included), for
+        # whoever logs only str(error).
+        attach(cause, frames)
         short = type_name.rsplit(".", 1)[-1]
         if where == "fetch_fun" and isinstance(cause, InputValidationError):
             # A source found bad data (feeder.sources: a null in a column): the same error as in

@@ -4,7 +4,10 @@ multiprocessing's own sending.
 Plain pickling sends a function by name, so a lambda, a closure, or a function defined in a
 notebook, a REPL or ``python -c`` could not reach a worker process started by "forkserver" or
 "spawn". Like Ray, Dask and joblib, feeder sends them with cloudpickle, which sends such
-functions by value (and importable ones still by name).
+functions by value (and importable ones still by name). Their code keeps the name of the file it
+was written in (cloudpickle would call it ``<dynamic-code>``), and a notebook cell's lines travel
+with it into the child's ``linecache``, so that a traceback from a worker process shows the
+user's file, line and source text (:func:`_code`).
 
 Multiprocessing's own objects a function may hold (``Value``, ``Lock``, ``Queue``, connections)
 can only be pickled while multiprocessing starts a process: their reducers ask the starting
@@ -24,13 +27,16 @@ there, naming what failed, and not a dead process later.
 from __future__ import annotations
 
 import io
+import linecache
+import os
 import pickle
 import sys
+import types
 from collections import ChainMap
 from multiprocessing import context as mp_context
 from multiprocessing.context import BaseContext
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 
 def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> bytes:
@@ -43,12 +49,41 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
         # instance one. Open text files first (cloudpickle would send a copy of what one holds,
         # read whole), then cloudpickle's reducers (functions, classes, methods by value where
         # needed), then multiprocessing's (Connection, socket, shared-memory Arena...), then copyreg's.
-        dispatch_table = ChainMap({io.TextIOWrapper: _text_file}, cloudpickle.Pickler.dispatch_table,
+        dispatch_table = ChainMap({io.TextIOWrapper: _text_file, types.CodeType: _code},
+                                  cloudpickle.Pickler.dispatch_table,
                                   ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
 
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
     return buf.getvalue()
+
+
+def _code(code: types.CodeType) -> Any:
+    """A code object sent by value, as cloudpickle sends it, but keeping where it was written.
+
+    cloudpickle names every code object it sends ``<dynamic-code>``, so a traceback from a worker
+    process showed ``File "<dynamic-code>", line 4`` instead of the user's file and line. This
+    keeps ``co_filename``; and where the source is not a file (a notebook cell, which IPython
+    registers with ``linecache``), it sends the cell's lines along, registered with the child's
+    ``linecache``, so that the traceback shows the source text there too."""
+    import cloudpickle
+
+    rebuild, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    filename = code.co_filename
+    lines = None
+    if not os.path.isfile(filename):
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and isinstance(entry[2], list):
+            lines = entry[2]  # (one list per file, pickled once however many functions it holds)
+    return _code_from, (rebuild, args, filename, lines)
+
+
+def _code_from(rebuild: Any, args: Any, filename: str, lines: Optional[List[str]]) -> types.CodeType:
+    """In the worker process: the code object, its file name restored, its source known to linecache."""
+    code: types.CodeType = rebuild(*args)
+    if lines is not None and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # mtime None: kept as is
+    return code.replace(co_filename=filename) if code.co_filename != filename else code
 
 
 def _text_file(f: Any) -> Any:

@@ -614,7 +614,7 @@ class _Job:
             for _ in range(1 if plan.ordered else replicas):
                 init_data_input_workers(plan.adapter, plan.feed_names, self.source, batch_size,
                                         input_source_name=SOURCE_NAME, coordinator=coord, resume_from=self.resume,
-                                        ordered=plan.ordered, **counts)
+                                        ordered=plan.ordered, replica=True, **counts)
             ledger = coord.get_queue(SOURCE_NAME, 1).row_keys
             if ledger is not None:  # the keys of filtered rows, committed with the next part
                 ledger.on_filtered = self._note_filtered
