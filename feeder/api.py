@@ -238,6 +238,15 @@ def init_data_input_workers(
     timeout = _seconds("timeout", timeout)
     log_interval = _seconds("log_interval", log_interval)
     dont_rebatch, ordered, cast = _bool("dont_rebatch", dont_rebatch), _bool("ordered", ordered), _bool("cast", cast)
+    if dont_rebatch and getattr(fetch_fun, "feeder_equal_steps", False):
+        # A batch is then a chunk: a unit, or the part of one that a rank shares with its
+        # neighbour, so that ranks of equal rows get unequal numbers of batches, and a collective
+        # step waits forever on the rank that has one more.
+        raise ValueError(f"source {input_source_name!r}: {type(fetch_fun).__name__} has equal_steps=True, which gives "
+                         f"every rank the same number of rows, and dont_rebatch=True makes each chunk a batch: a "
+                         f"rank's chunks are its units and the parts of units it shares with its neighbours, so "
+                         f"ranks would get different numbers of batches. Rebatch (dont_rebatch=False: every rank "
+                         f"then gets the same number of batches of batch_size rows), or shard without equal_steps")
     if last_batch not in ("keep", "drop"):
         raise ValueError(f"last_batch must be 'keep' or 'drop', got {last_batch!r}")
     loggers = _loggers(external_loggers)

@@ -126,7 +126,9 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             the model's inputs in the model's order, then the kept ones that are not model inputs.
         output: The folder that becomes the Parquet dataset (created if missing). With a source
             sharded between ranks (``shard=``), each rank writes its own folder: ``output`` with
-            ``{rank}`` and ``{world}`` filled in, or else ``output/rank-RRRRR-of-WWWWW``.
+            ``{rank}`` and ``{world}`` filled in, or else (no ``{rank}``) ``output``, its
+            ``{world}`` filled in, then ``/rank-RRRRR-of-WWWWW``. Unsharded, ``{rank}`` is 0 and
+            ``{world}`` 1.
         batch_size: Rows per batch handed to the model (> 0).
         outputs: Names of the model outputs to write, in that order; None writes all of them.
         keep: Names of source inputs written beside the predictions (an id, a path); they need
@@ -173,7 +175,8 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             written), an output folder holding files feeder did not write or inside a folder a
             ``ParquetSource`` reads, an output of another source definition or model (unless
             ``overwrite``; the message names the files, inputs, outputs or external data files
-            that differ), an endless source.
+            that differ), an endless source, a source with ``equal_steps=True`` (it leaves rows
+            out).
         ImportError: pyarrow (the ``parquet`` extra) is missing.
         FeederError: Writing failed (the original error is its ``__cause__``); the output stays
             at its last commit, ready to be continued. A fetch failure, a bad chunk or a failing
@@ -190,6 +193,12 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
+    if getattr(source, "feeder_equal_steps", False):
+        # equal_steps leaves each epoch's last rows out so that training ranks take equal steps;
+        # scoring has no collective step, and an output without those rows would say it is complete.
+        raise ValueError(f"{type(source).__name__} has equal_steps=True, which leaves rows of every epoch out (the "
+                         f"remainder of rows // world_size): feeder.predict writes every row, and its ranks need "
+                         f"no equal steps; create the source without equal_steps")
     session, identity = _open_model(model, providers)
     plan = _Plan.make(session, source, outputs, keep, batch_size, ordered=ordered, squeeze=squeeze)
     fingerprint = {**model_signature(session), **identity}
@@ -410,16 +419,22 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
 def rank_output(output: Any, source: Any) -> Any:
     """The output folder of this call: ``output`` itself, or for a source sharded between ranks
     (``shard=``), the rank's own: ``output`` with ``{rank}`` and ``{world}`` filled in, or else
-    ``output/rank-RRRRR-of-WWWWW`` (so that ranks never write one folder, and the parent folder
-    reads as one dataset of every rank's parts)."""
+    (no ``{rank}`` in it) ``output`` with ``{world}`` filled in, then ``/rank-RRRRR-of-WWWWW``
+    (so that ranks never write one folder, and the parent folder reads as one dataset of every
+    rank's parts). Unsharded, ``{rank}`` and ``{world}`` are 0 and 1."""
     source = _wrapped(source)  # a map or filter of a sharded source is sharded the same way
     shard = getattr(source, "shard", None)
     if not isinstance(source, ShardedSource) or shard is None or shard[1] < 2:
+        # unsharded: rank 0 of 1 (so that one script serves both), never a folder named "{rank}"
+        if isinstance(output, (str, os.PathLike)) and ("{rank}" in os.fspath(output) or
+                                                      "{world}" in os.fspath(output)):
+            return os.fspath(output).replace("{rank}", "0").replace("{world}", "1")
         return output
-    path = os.fspath(output)
+    given = os.fspath(output)
     rank, world = shard
-    if "{rank}" in path:
-        return path.replace("{rank}", str(rank)).replace("{world}", str(world))
+    path = given.replace("{rank}", str(rank)).replace("{world}", str(world))
+    if "{rank}" in given:
+        return path
     if "://" not in path and os.path.exists(os.path.join(path, STATE_NAME)):  # (a local output, that is)
         raise ValueError(f"output {path!r} is itself an output of feeder.predict, and this call's source is rank "
                          f"{rank} of {world}, whose output would go inside it: pass the folder that holds the ranks' "
