@@ -41,7 +41,7 @@ from ..api import init_data_input_workers
 from ..coordinator import GlobalCoordinator
 from ..device import providers_for
 from ..errors import FeederError
-from ..rowkeys import KeyLedger, merge_ranges, source_state
+from ..rowkeys import KeyLedger, source_state
 from ..runtime import (
     PredictSession,
     import_onnxruntime,
@@ -508,13 +508,15 @@ class _Job:
         self.durable = durable
         self.parts: List[Dict[str, Any]] = []
         self.rows = 0
-        # Rows the source's filter dropped: done, never written. Their keys are in _ranges with the
-        # committed rows' (recorded at each commit from _filtered_keys, as the source's ledger got them).
+        # Rows the source's filter dropped: done, never written. Their keys join the committed rows'
+        # in _done (recorded at each commit from _filtered_keys, as the source's ledger got them),
+        # loose until they touch committed rows, as in the source's own ledger (feeder.rowkeys): the
+        # state stays a few ranges whatever the filter drops. ``filtered`` counts those in the state.
         self.filtered = 0
         self._filtered_keys: List[np.ndarray] = []
         self._filtered_lock = threading.Lock()
         self.resume: Optional[Dict[str, Any]] = None
-        self._ranges = np.zeros((0, 2), np.int64)
+        self._done = KeyLedger(SOURCE_NAME)
         self._fresh = True
 
     def files(self) -> List[str]:
@@ -550,8 +552,8 @@ class _Job:
         self.parts = list(state["parts"])
         self.rows = int(state["rows"])
         self.resume = state["source"]
-        self._ranges = ranges_of(self.resume)
         self.filtered = int(self.resume.get("rows_filtered", 0) or 0) if self.resume else 0
+        self._done = KeyLedger(SOURCE_NAME, ranges_of(self.resume), self.filtered)
         self._fresh = False
         total = self._total()
         if total is not None and self.rows + self.filtered > total:
@@ -643,7 +645,7 @@ class _Job:
             # ours), then whatever the state does not commit is deleted.
             self.out.remove_marker(durable=self.durable)
             if self._fresh:
-                self.parts, self.rows, self._ranges = [], 0, np.zeros((0, 2), np.int64)
+                self.parts, self.rows, self._done = [], 0, KeyLedger(SOURCE_NAME)
                 self.filtered = 0
                 self.out.write_state(self._state(complete=False), durable=self.durable)
             removed = self.out.recover({p["file"] for p in self.parts})
@@ -688,11 +690,15 @@ class _Job:
             self.rows += part.rows
         if self.plan.keyed and (part is not None or final):
             # The rows filtered so far are done too (they will never be written): committed with this part.
-            filtered = self._take_filtered()
-            self.filtered += len(filtered)
-            done = filtered if keys is None else np.concatenate([keys, filtered])
-            self._ranges, twice = merge_ranges(self._ranges, done)
-            covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
+            done = self._done
+            if keys is not None:
+                done.record_keys(keys)
+            done.record_filtered(self._take_filtered())
+            if final:
+                done.settle()
+            ranges, self.filtered = done.snapshot()
+            covered = int((ranges[:, 1] - ranges[:, 0]).sum())
+            twice = done.duplicates
             if twice or covered != self.rows + self.filtered:  # a bug, never a user's error: refuse to commit it
                 raise FeederError(f"feeder.predict: the committed parts hold {self.rows} rows and {self.filtered} were "
                                   f"filtered, but their row keys cover {covered} ({twice} twice); the output is left "
@@ -711,7 +717,7 @@ class _Job:
     def _state(self, complete: bool) -> Dict[str, Any]:
         src = None
         if self.plan.keyed:
-            src = source_state(SOURCE_NAME, KeyLedger(SOURCE_NAME, self._ranges, self.filtered), self.source)
+            src = source_state(SOURCE_NAME, self._done, self.source)
         state = {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
                  "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
                  "source": src}

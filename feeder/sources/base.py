@@ -798,6 +798,26 @@ def check_state(state: Any, definition: Mapping[str, Any]) -> None:
 
 SHOWN_NAMES = 10  # file names listed per kind of change in a message; the count says how many more
 _DIGEST = re.compile(r"[0-9a-f]{16,64}\Z")
+# What a transformed source's definition records of its steps (feeder.sources.transform): each
+# step's kind and function name, and a digest of each function's code.
+STEP_KEYS = ("transforms", "transforms_code")
+_WHERE = re.compile(r" \([^()]*:\d+\)\Z")  # " (train.py:9)": where an earlier feeder said a lambda sat
+
+
+def _step_view(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> Tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """The two definitions as their steps are compared: a definition written by an earlier feeder
+    named each lambda with its file and line and had no code digests (its steps are then compared
+    by kind and name alone); when the steps themselves differ, their code is not reported too."""
+    if STEP_KEYS[1] not in theirs and STEP_KEYS[1] not in mine:
+        return theirs, mine
+    if STEP_KEYS[1] not in theirs and STEP_KEYS[1] in mine and isinstance(theirs.get("transforms"), list):
+        steps = [[s[0], _WHERE.sub("", s[1])] if isinstance(s, list) and len(s) == 2 and isinstance(s[1], str)
+                 else s for s in theirs["transforms"]]
+        theirs = {**theirs, "transforms": steps, STEP_KEYS[1]: mine[STEP_KEYS[1]]}
+    if jsonish(theirs.get("transforms")) != jsonish(mine.get("transforms")):
+        mine = {k: v for k, v in mine.items() if k != STEP_KEYS[1]}
+        theirs = {k: v for k, v in theirs.items() if k != STEP_KEYS[1]}
+    return theirs, mine
 
 
 def definition_differences(theirs: Mapping[str, Any], mine: Mapping[str, Any], *, theirs_has: str = "the state has",
@@ -806,7 +826,9 @@ def definition_differences(theirs: Mapping[str, Any], mine: Mapping[str, Any], *
     JSON sees them: ``key: the state has X, this source Y``. ``files`` (lists of per-file records
     ``{"name", "size", "version", ...}``) are compared by name: the files added, removed and
     changed, and how. A hash (a hex digest) is said to differ, never shown. ``depth`` > 0 goes
-    that many levels into dicts, so that a message names the entry that differs (a model's input)."""
+    that many levels into dicts, so that a message names the entry that differs (a model's input).
+    A transformed source's steps are compared as :func:`_step_view` says."""
+    theirs, mine = _step_view(theirs, mine)
     out: List[str] = []
     for key in list(mine) + [k for k in theirs if k not in mine]:
         a, b = jsonish(theirs.get(key)), jsonish(mine.get(key))
