@@ -265,6 +265,12 @@ class Transformable:
         registration; a ValueError for a column it lacks)."""
         raise NotImplementedError
 
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        """At registration, before the inputs are checked: (the columns this source has, whether it
+        feeds every one of them), or None when it cannot tell yet (registration refuses a mask
+        named like a column with it)."""
+        return None
+
 
 # ---- sharded sources -----------------------------------------------------------------------
 class ShardedSource(Transformable):
