@@ -512,7 +512,7 @@ def _refuse_mask_clashes(masks: Dict[str, str], explicit: Dict[str, str], input_
     (the validator names the mask)."""
     if not masks:
         return
-    listed = set(input_names) if input_names is not None and not isinstance(input_names, str) else set()
+    listed = set(input_names) if isinstance(input_names, (list, tuple)) else set()
     session = {s.name for s in session_specs} if session_specs is not None else set()
     offer = getattr(fetch_fun, "_offered_columns", None)
     offered = offer() if offer is not None else None

@@ -250,7 +250,7 @@ coord.stop()
 def _launch(script, out_dir, world, resume="-", slow=None):
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), PYTHONPATH=os.getcwd())
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), PYTHONPATH=os.getcwd())
         if slow is not None:
             env["SLOW"] = str(slow)
         procs.append(subprocess.Popen([sys.executable, str(script), str(out_dir), str(resume)], env=env))
@@ -431,7 +431,8 @@ print("RESULT", r.rows, r.rows_computed, flush=True)
 
 def _predict_rank(tmp_path, rank, world, unit_s=0.0):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), UNIT_S=str(unit_s), PYTHONPATH=root)
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), UNIT_S=str(unit_s),
+               PYTHONPATH=root)
     return subprocess.Popen([sys.executable, str(tmp_path / "rank_predict.py"), str(tmp_path / "scores"),
                              str(tmp_path / "m.onnx")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -517,7 +518,7 @@ def test_the_command_line_reads_a_rank_share_from_the_environment(tmp_path):
                    tmp_path / "d.parquet", row_group_size=50)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", PYTHONPATH=root)
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), PYTHONPATH=root)
         out = subprocess.run([sys.executable, "-m", "feeder", "predict", str(tmp_path / "m.onnx"),
                               str(tmp_path / "d.parquet"), str(tmp_path / "scores"), "--keep", "id", "--shard", "env",
                               "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
@@ -674,8 +675,8 @@ def test_shard_env_reads_torchrun_mpi_and_slurm_in_order(monkeypatch, env, want)
 
 @pytest.mark.parametrize("env, match", [
     ({}, r"RANK and WORLD_SIZE.*OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE \(Open MPI's mpirun\), PMI_RANK/PMI_SIZE "
-         r"\(MPICH and Intel MPI.*SLURM_PROCID/SLURM_NTASKS \(Slurm's srun\).*RANK is not set, nor OMPI_COMM_WORLD_RANK, "
-         r"PMI_RANK, SLURM_PROCID.*shard=\(rank, world_size\)"),
+         r"\(MPICH and Intel MPI.*SLURM_PROCID/SLURM_NTASKS \(Slurm's srun\).*RANK is not set, nor "
+         r"OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID.*shard=\(rank, world_size\)"),
     ({"RANK": "1", "WORLD_SIZE": "4", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"},
      r"RANK=1 and WORLD_SIZE=4 \(torchrun.*\) disagree with SLURM_PROCID=2 and SLURM_NTASKS=4 \(Slurm's srun\).*"
      r"without LOCAL_RANK"),

@@ -547,3 +547,37 @@ def test_a_state_of_an_earlier_feeder_that_named_lambdas_by_their_line_still_res
     old["definition"]["transforms"] = [["filter", "train_steps.<lambda> (a.py:4)"]]
     after, _, _ = run(ArraySource(table(400), block_rows=50).filter(m.keep), resume=old)
     assert sorted(ids_of(before) + ids_of(after)) == [i for i in range(400) if i % 3]
+
+
+def test_a_function_digest_is_its_code_defaults_and_captured_values():
+    from functools import partial
+
+    from feeder.sources.functionid import function_digest
+
+    def compile_at(text, line):
+        scope = {}
+        exec(compile("\n" * line + text, f"f{line}.py", "exec"), scope)
+        return scope["f"]
+
+    body = "def f(d, k=2):\n    def inner(x):\n        return x * k + 1\n    return inner(d['x'])\n"
+    same = {function_digest(compile_at(body, line)) for line in (0, 5, 40)}
+    assert len(same) == 1
+    assert function_digest(compile_at(body.replace("k=2", "k=3"), 0)) not in same       # a default
+    assert function_digest(compile_at(body.replace("+ 1", "+ 2"), 0)) not in same       # a nested function's code
+
+    def fact(n):
+        return 1 if n < 2 else n * fact(n - 1)  # refers to itself through its closure
+    assert function_digest(fact) == function_digest(fact)
+
+    class Scaler:
+        def __call__(self, d):
+            return d
+
+        def method(self, d):
+            return d
+
+    assert function_digest(Scaler()) is None                      # not inspectable: its name stands for it
+    assert function_digest(Scaler().method) == function_digest(Scaler().method)
+    assert function_digest(partial(fact, 3)) != function_digest(partial(fact, 4))
+    tables = [np.arange(5), np.arange(5) + 1]
+    assert function_digest(lambda d, t=tables[0]: t) != function_digest(lambda d, t=tables[1]: t)

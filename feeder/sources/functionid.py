@@ -10,7 +10,8 @@ checkpoint resumable, while a changed body, constant, default or captured value 
 What cannot be inspected counts by its type alone: a callable object that is not a function (its
 class's name stands for it), and a value in a closure or a default that is neither a number, a
 string, bytes, a numpy array, a container of those nor a function (a tokenizer, a model object).
-Global variables a function reads are named (``co_names``) but their values are not recorded.
+Global variables a function reads are named (``co_names``) but their values are not recorded. An
+array above 64 MiB counts by its dtype, shape and a sample of a million of its values.
 Bytecode is that of the running Python: a state written by another minor version of Python is of
 other functions.
 """
@@ -24,6 +25,8 @@ from typing import Any, Optional, Set
 import numpy as np
 
 DIGEST_CHARS = 16  # hex characters kept of a function's SHA-256
+FULL_ARRAY_BYTES = 64 << 20  # an array a function holds is hashed whole up to this size...
+SAMPLE_VALUES = 1 << 20      # ... beyond it, this many of its values spread evenly (and its first and last)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
@@ -96,8 +99,11 @@ def _value(h: Any, v: Any, seen: Set[int]) -> None:
         _put(h, "ndarray", f"{v.dtype.str}{v.shape}".encode())
         if v.dtype.hasobject:
             _value(h, v.tolist(), seen)
-        else:
+        elif v.nbytes <= FULL_ARRAY_BYTES:
             _put(h, "data", hashlib.sha256(np.ascontiguousarray(v).tobytes()).digest())
+        else:  # an embedding table, say: sampled, as ArraySource fingerprints big data
+            picked = v.flat[np.unique(np.linspace(0, v.size - 1, SAMPLE_VALUES).astype(np.int64))]  # no copy of v
+            _put(h, "sample", hashlib.sha256(np.ascontiguousarray(picked).tobytes()).digest())
     elif isinstance(v, (tuple, list)):
         _put(h, type(v).__name__, str(len(v)).encode())
         for x in v:

@@ -451,8 +451,8 @@ class ParquetSource(ShardedSource):
                     t = fields[c]
                     values = t[len("dictionary<values="):].split(",", 1)[0] if t.startswith("dictionary<") else t
                     if values not in STACKABLE_TYPES:
-                        raise ValueError(f"ParquetSource: input {name!r} stacks column {c!r}, which is {t} in {path!r}: "
-                                         f"a stacked input takes scalar numeric columns; name it alone "
+                        raise ValueError(f"ParquetSource: input {name!r} stacks column {c!r}, which is {t} in "
+                                         f"{path!r}: a stacked input takes scalar numeric columns; name it alone "
                                          f"(columns={{{name!r}: {c!r}}}) or leave it out")
 
     def _check_columns(self, wanted: Sequence[str]) -> None:

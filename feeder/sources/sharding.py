@@ -93,8 +93,9 @@ def env_shard(environ: Optional[Mapping[str, str]] = None) -> Tuple[Tuple[int, i
             continue
         raise ValueError(f"shard='env': {_pair_text(rv, wv, values)} ({who}) disagree with "
                          f"{_pair_text(orv, owv, theirs)} ({owho}), and neither launcher starts the other"
-                         + (f" ({rv} and {wv} without {LAUNCHED_BY_TORCH}: set by hand, or left over?)"
-                            if first == 0 else "")
+                         + (f" ({rv} and {wv} without {LAUNCHED_BY_TORCH}: left over from another job? A "
+                            f"launcher of your own that starts the ranks inside this job sets {LAUNCHED_BY_TORCH} "
+                            f"beside them, as torchrun does)" if first == 0 else "")
                          + ": unset the variables that are wrong here, or pass shard=(rank, world_size)")
     return (parsed[0], parsed[1]), f" (from {rv} and {wv})"
 

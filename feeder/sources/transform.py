@@ -88,7 +88,7 @@ class _Take:
 def _read_only(a: Any) -> Any:
     """A numpy array as a read-only view of itself (the array itself when it is read-only already:
     Arrow's buffers); other forms of rows (a list of rows, a Ragged) as they are."""
-    if type(a) is np.ndarray and a.flags.writeable:
+    if isinstance(a, np.ndarray) and a.flags.writeable:
         a = a.view()
         a.flags.writeable = False
     return a
