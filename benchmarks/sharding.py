@@ -12,12 +12,19 @@ of 256 rows, no model, 2 fetcher threads, every contender reading one whole epoc
 * the same two on an in-memory ``ArraySource`` (block_rows 8,192), where reading costs least and
   what feeder adds shows most.
 
+* window draws (issue 34, item 6): what one draw from a shuffle window costs as the window grows,
+  the window alone (rows drained per second from windows of 32k to 2M rows, in draws of 1,024, and
+  in steady state: units of unequal sizes added, as many rows drawn) and through an ``ArraySource``
+  (rows/s with a window of 32k rows against one of 1M). A draw costs what it draws: the ratios of
+  the large windows to the small one should stay near 1 (before: 0.02-0.2x). ``--windows`` runs
+  this part alone (no dataset written).
+
 Contenders alternate, ``--repeats`` times each; the median of each is reported, in rows per
 wall-clock second and in rows per CPU second of the whole process (the steadier of the two where
 other work shares the machine). This machine has 2 cores shared with whatever else runs: read
 ratios, not rows/s.
 
-    python benchmarks/sharding.py [--mb 100] [--world 4] [--epochs 4] [--repeats 5]
+    python benchmarks/sharding.py [--mb 100] [--world 4] [--epochs 4] [--repeats 5] [--windows]
                                   [--json benchmarks/results/sharding.json]
 """
 from __future__ import annotations
@@ -38,6 +45,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import feeder  # noqa: E402
 from feeder.sources import ArraySource, ParquetSource  # noqa: E402
+from feeder.sources.window import ShuffleWindow  # noqa: E402
 
 DIM = 64
 BATCH = 256
@@ -92,6 +100,64 @@ def alternate(contenders: Dict[str, Callable[[], Any]], repeats: int) -> Dict[st
             for k in contenders}
 
 
+WINDOWS = (32_768, 262_144, 1 << 20, 2 << 20)
+DRAW = 1024
+
+
+def drain_rate(rows: int, seed: int = 0) -> Tuple[float, float]:
+    """(rows/s drained from a full window of ``rows`` in draws of DRAW, rows/s in steady state:
+    units of 512-8,192 rows added to the full window, as many rows drawn after each) of a window
+    holding two int64 columns (what an ArraySource's window holds: row indices and keys)."""
+    rng = np.random.default_rng(seed)
+    w = ShuffleWindow(rows, np.random.default_rng(seed))
+    for lo in range(0, rows, 8192):
+        idx = np.arange(lo, min(rows, lo + 8192), dtype=np.int64)
+        w.add([idx, idx])
+    moved, t0 = 0, time.perf_counter()
+    for _ in range(200):
+        n = int(rng.integers(512, 8193))
+        w.add([np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)])
+        moved += len(w.take(n)[0])
+    steady = moved / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    drained = 0
+    while w.rows:
+        drained += len(w.take(DRAW)[0])
+    return drained / (time.perf_counter() - t0), steady
+
+
+def window_costs(repeats: int) -> Dict[str, Any]:
+    """The window part (see the module docstring): medians over ``repeats`` rounds, alternated."""
+    drain: Dict[int, List[float]] = {r: [] for r in WINDOWS}
+    steady: Dict[int, List[float]] = {r: [] for r in WINDOWS}
+    for i in range(repeats):
+        for rows in WINDOWS:
+            d, st = drain_rate(rows, seed=i)
+            drain[rows].append(d)
+            steady[rows].append(st)
+    n = 2 << 20
+    x = np.random.default_rng(0).standard_normal((n, DIM), dtype=np.float32)
+    y = np.arange(n)
+    source_rates = alternate({f"shuffle_window={k}": (lambda k=k: ArraySource(
+        {"x": x, "y": y}, block_rows=GROUP, shuffle=True, shuffle_window=k)) for k in (32_768, 1 << 20)}, repeats)
+    out = {"draw_rows": DRAW, "drain_rows_per_s": {r: statistics.median(v) for r, v in drain.items()},
+           "steady_rows_per_s": {r: statistics.median(v) for r, v in steady.items()},
+           "array_source_rows_per_s": {k: v[0] for k, v in source_rates.items()}}
+    small = WINDOWS[0]
+    print(f"window draws: two int64 columns, draws of {DRAW} rows, median of {repeats}")
+    print("| window rows | drained rows/s | ratio to 32k | steady-state rows/s | ratio to 32k |")
+    print("|---|---|---|---|---|")
+    for r in WINDOWS:
+        d, st = out["drain_rows_per_s"][r], out["steady_rows_per_s"][r]
+        print(f"| {r:,} | {d:,.0f} | {d / out['drain_rows_per_s'][small]:.2f}x | {st:,.0f} | "
+              f"{st / out['steady_rows_per_s'][small]:.2f}x |")
+    rates = out["array_source_rows_per_s"]
+    names = list(rates)
+    print(f"ArraySource of {n:,} rows, one epoch, 2 fetcher threads: " + ", ".join(
+        f"{k} {v:,.0f} rows/s" for k, v in rates.items()) + f" ({rates[names[1]] / rates[names[0]]:.2f}x)")
+    return out
+
+
 def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=100, help="size of the dataset, MB")
@@ -100,7 +166,15 @@ def main(argv: Any = None) -> int:
     p.add_argument("--epochs", type=int, default=4, help="epochs each contender reads (a run of a few seconds)")
     p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "feeder-bench-sharding"))
     p.add_argument("--json", default=None)
+    p.add_argument("--windows", action="store_true", help="only what a window's draws cost (no dataset written)")
     args = p.parse_args(argv)
+    if args.windows:
+        out = window_costs(args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "window_draws": out},
+                          f, indent=2)
+        return 0
     os.makedirs(args.dir, exist_ok=True)
     rows = (args.mb * 2**20 // (DIM * 4 + 8)) // GROUP * GROUP
     full, part = os.path.join(args.dir, f"full-{rows}.parquet"), os.path.join(args.dir, f"part-{rows}-{args.world}")
@@ -155,6 +229,7 @@ def main(argv: Any = None) -> int:
         for i, k in enumerate(names):
             r, c = (ratio, cpu_ratio) if i == 0 else (1.0, 1.0)
             print(f"| {case} | {k} | {got[k][0]:,.0f} | {r:.2f}x | {got[k][1]:,.0f} | {c:.2f}x | {got[k][2]:.0f} |")
+    results["window_draws"] = window_costs(args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

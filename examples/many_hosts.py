@@ -98,10 +98,11 @@ def rank_main(work: str) -> None:
 
 
 def launch(work: str, world: int, run: str, kill: bool) -> None:
-    """Start ``world`` ranks (RANK / WORLD_SIZE in their environment); with ``kill``, SIGKILL rank 1
+    """Start ``world`` ranks (RANK / WORLD_SIZE in their environment, and LOCAL_RANK as torchrun sets it:
+    it tells shard="env" that these ranks were started inside whatever job runs this); with ``kill``, SIGKILL rank 1
     once it has checkpointed a few times (a lost node) and let the others finish their share."""
     ranks = [subprocess.Popen([sys.executable, __file__, "--rank-of", work],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), RUN=run))
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), RUN=run))
              for r in range(world)]
     if kill:
         ckpt = os.path.join(work, f"ckpt-{run}-1.json")

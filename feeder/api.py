@@ -238,6 +238,15 @@ def init_data_input_workers(
     timeout = _seconds("timeout", timeout)
     log_interval = _seconds("log_interval", log_interval)
     dont_rebatch, ordered, cast = _bool("dont_rebatch", dont_rebatch), _bool("ordered", ordered), _bool("cast", cast)
+    if dont_rebatch and getattr(fetch_fun, "feeder_equal_steps", False):
+        # A batch is then a chunk: a unit, or the part of one that a rank shares with its
+        # neighbour, so that ranks of equal rows get unequal numbers of batches, and a collective
+        # step waits forever on the rank that has one more.
+        raise ValueError(f"source {input_source_name!r}: {type(fetch_fun).__name__} has equal_steps=True, which gives "
+                         f"every rank the same number of rows, and dont_rebatch=True makes each chunk a batch: a "
+                         f"rank's chunks are its units and the parts of units it shares with its neighbours, so "
+                         f"ranks would get different numbers of batches. Rebatch (dont_rebatch=False: every rank "
+                         f"then gets the same number of batches of batch_size rows), or shard without equal_steps")
     if last_batch not in ("keep", "drop"):
         raise ValueError(f"last_batch must be 'keep' or 'drop', got {last_batch!r}")
     loggers = _loggers(external_loggers)
@@ -256,6 +265,7 @@ def init_data_input_workers(
     placement = _placement(session, device)
     session_specs = input_specs(session) if session is not None else None
     masks = _mask_names(pad, mask_names, session_specs)
+    _refuse_mask_clashes(masks, mask_names or {}, input_names, session_specs, fetch_fun)
     names = _input_names(input_names, session_specs, masks.values())
     specs = _specs_for(names, session_specs)
     axes = _batch_axes(batch_columns, names, specs)
@@ -326,7 +336,7 @@ def init_data_input_workers(
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,
                     ordered=ordered, max_bytes=max_buffered_bytes, specs=specs, cast=cast, resume_from=resume_from,
-                    replica=replica)
+                    replica=replica, masks={m: p for p, m in masks.items()})
     return coord
 
 
@@ -491,6 +501,34 @@ def _mask_names(pad: Any, explicit: Optional[Dict[str, str]], session_specs: Opt
         raise ValueError(f"mask names {clash} clash (two padded inputs' masks, or a mask named like a padded input): "
                          f"set mask_names")
     return masks
+
+
+def _refuse_mask_clashes(masks: Dict[str, str], explicit: Dict[str, str], input_names: Optional[Sequence[str]],
+                         session_specs: Optional[List[InputSpec]], fetch_fun: Any) -> None:
+    """ValueError when a mask's name is also the name of data: a column of the source (where the
+    source can name its columns at registration), or a name ``mask_names`` chose that
+    ``input_names`` lists without the session having an input of that name (what would be fetched
+    is then taken for the mask). A plain fetch function's chunks are checked at the first one
+    (the validator names the mask)."""
+    if not masks:
+        return
+    listed = set(input_names) if isinstance(input_names, (list, tuple)) else set()
+    session = {s.name for s in session_specs} if session_specs is not None else set()
+    offer = getattr(fetch_fun, "_offered_columns", None)
+    offered = offer() if offer is not None else None
+    columns, all_fed = offered if offered is not None else (None, False)
+    what = type(getattr(fetch_fun, "wrapped", fetch_fun)).__name__
+    for padded, mask in masks.items():
+        rename = f"mask_names={{{padded!r}: {padded + '_pad_mask'!r}}}"
+        if columns is not None and mask in columns and (all_fed or mask in listed or mask in session):
+            chosen = "mask_names names" if padded in explicit else "pad= makes"
+            raise ValueError(f"{chosen} a mask {mask!r} for padded input {padded!r}, and the {what} has a column "
+                             f"{mask!r}: a mask is made by padding, never fetched, so the column would never be "
+                             f"read. Name the mask otherwise ({rename}) or rename the column")
+        if padded in explicit and mask in listed and mask not in session:
+            raise ValueError(f"mask_names names the mask of padded input {padded!r} {mask!r}, which input_names also "
+                             f"lists: {mask!r} would be taken for the mask and never fetched. Name the mask otherwise "
+                             f"({rename}), or leave {mask!r} out of input_names (a mask need not be listed)")
 
 
 def _padding(pad: Dict[str, Any], masks: Dict[str, str], multiple: Any, window: Any, names: List[str],

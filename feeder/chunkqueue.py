@@ -461,8 +461,12 @@ class ChunkQueue:
         keys = self.row_keys
         if keys is not None:
             # The keys this run recorded are those of the rows delivered (recorded at each pop) and
-            # filtered (recorded as fetched): a key missing or counted twice is a bug.
-            ranges, key_filtered = keys.snapshot()
+            # filtered (recorded as fetched): a key missing or counted twice is a bug. At the end
+            # of the data the filtered keys still loose (feeder.rowkeys) join the ranges: nothing is
+            # left in flight for them to wait for.
+            if when == "end of data":
+                keys.settle()
+            ranges, key_filtered = keys.snapshot(loose=True)
             recorded = int((ranges[:, 1] - ranges[:, 0]).sum()) - keys.start_covered
             new_filtered = key_filtered - keys.start_filtered
             if recorded != delivered + new_filtered or new_filtered > filtered:

@@ -83,7 +83,7 @@ class GlobalCoordinator:
                   input_names: Sequence[str], batch_axes: Sequence[int], dont_rebatch: bool,
                   max_buffered_batches: int, num_workers: int, ordered: bool, max_bytes: Optional[int],
                   specs: Sequence[InputSpec], cast: bool, resume_from: Optional[Dict[str, Any]] = None,
-                  replica: bool = False) -> Feed:
+                  replica: bool = False, masks: Optional[Dict[str, str]] = None) -> Feed:
         with self._lock:
             others = sum(1 for f in self._feeds if f.input_source_name == name)
             for other in self._feeds:
@@ -106,7 +106,7 @@ class GlobalCoordinator:
             # accepts is decided once, from every replica's session and the source's first chunk.
             if q.validator is None:
                 q.validator = ChunkValidator(name, input_names, batch_axes, specs, cast=cast,
-                                             dont_rebatch=dont_rebatch)
+                                             dont_rebatch=dont_rebatch, masks=masks)
             else:
                 q.validator.add_replica(specs, cast=cast)
             ids = self._take_worker_ids(num_workers)

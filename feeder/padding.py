@@ -4,13 +4,13 @@ Pure logic, like ``feeder.rebatcher``: no threads, no queues, no locks. A feed r
 ``pad=`` owns one :class:`PadRebatcher` instead of a ``Rebatcher``; tests drive it directly.
 
 * **Padding.** Each batch of a padded input is as long, along each of its rows' axes, as its
-  longest row there (rounded up to ``pad_to_multiple_of``, or exactly the size a session fixes
-  for that axis), and gains a mask of the same shape: 1 where a row has a value, 0 where it was
-  padded. Each row's values are copied once, straight into the padded batch (no concatenate-
-  then-pad): rows that lie one after the other in their chunk go with one masked assignment
-  (``batch[mask] = values``), others with one gather (``np.take`` into the batch). The padding
-  positions are then written with the pad value. Batch buffers come from a ring of byte
-  buffers reused whatever the batch's shape (:class:`ByteRing`).
+  longest row there (rounded up to ``pad_to_multiple_of`` along the axes on which rows vary, or
+  exactly the size a session fixes for that axis), and gains a mask of the same shape: 1 where a
+  row has a value, 0 where it was padded. Each row's values are copied once, straight into the
+  padded batch (no concatenate-then-pad): rows that lie one after the other in their chunk go
+  with one masked assignment (``batch[mask] = values``), others with one gather (``np.take``
+  into the batch). The padding positions are then written with the pad value. Batch buffers
+  come from a ring of byte buffers reused whatever the batch's shape (:class:`ByteRing`).
 * **Length windows.** With ``window=N`` up to N rows are held; once N are, the oldest whole
   batches' worth of them is sorted by length (stable) and cut into batches, so a batch holds
   rows of similar length; the newest rows that do not make a whole batch wait for the next
@@ -26,7 +26,7 @@ import math
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -174,7 +174,8 @@ class PadRebatcher:
         batch_size: Rows per batch.
         batch_axes: The batch axis of each input (padded inputs: 0).
         pads: The padded inputs.
-        multiple: Round padded axes up to a multiple of this (axes a session fixes excepted).
+        multiple: Round padded axes up to a multiple of this: the axes on which rows vary (see
+            ``_dims``; axes a session fixes excepted).
         window: Rows held to sort by length (None: batches in arrival order).
         ring: The buffers' ring (or None: fresh buffers for every batch).
         keyed: The last input is the row keys (the masks go before it).
@@ -187,6 +188,9 @@ class PadRebatcher:
         self._pads = {p.index: p for p in pads}
         self._pad_list = list(pads)
         self._multiple = multiple
+        # Per padded input, the axes of its rows along which rows have differed so far: those are
+        # rounded up to ``multiple`` from then on (see _dims).
+        self._varies: Dict[int, Set[int]] = {}
         self.window = window
         self._ring = ring
         self._mask_at = len(self._axes) - (1 if keyed else 0)
@@ -362,6 +366,33 @@ class PadRebatcher:
         self._pending.append((n, tuple(merged), slice(0, n)))
 
     # ---- writing a batch ----------------------------------------------------------------------
+    def _dims(self, i: int, pad: PadInput, row_shapes: np.ndarray) -> List[int]:
+        """The padded batch's size along each axis of padded input ``i``'s rows (``row_shapes``:
+        one row per row of the batch): exactly the size the session fixes, else the longest row's,
+        rounded up to ``pad_to_multiple_of`` along the axes on which rows vary: rows of one axis
+        (token ids), and any axis on which rows of this feed have differed, in this batch or an
+        earlier one. An axis on which every row so far has had one size (the 80 features of
+        ``[L, 80]`` frames, the 3 channels of ``[H, W, 3]`` images) keeps that size."""
+        n, nd = row_shapes.shape
+        longest = row_shapes.max(axis=0) if n else np.zeros(nd, np.int64)
+        varies = self._varies.setdefault(i, set())
+        if n > 1:
+            varies.update(np.flatnonzero((row_shapes != row_shapes[0]).any(axis=0)).tolist())
+        m = self._multiple or 1
+        dims = []
+        for j in range(nd):
+            want = pad.fixed[j] if j < len(pad.fixed) else None
+            if want is not None:
+                if longest[j] > want:  # (validation refuses such rows before they get here)
+                    raise ValueError(f"input {pad.name!r}: a row of {int(longest[j])} along axis {j + 1} does "
+                                     f"not fit the session's {want}")
+                dims.append(int(want))
+            elif nd == 1 or j in varies:
+                dims.append(int(-(-int(longest[j]) // m) * m))
+            else:
+                dims.append(int(longest[j]))
+        return dims
+
     def _nbytes(self, piece: Tuple[int, Tuple[Piece, ...], Sel]) -> int:
         rows, arrays, sel = piece
         total = 0
@@ -397,18 +428,7 @@ class PadRebatcher:
             rag = [p if isinstance(p, Ragged) else dense_as_ragged(p) for p in parts]
             row_shapes = rag[0].shapes if len(rag) == 1 else np.concatenate([r.shapes for r in rag])
             nd = row_shapes.shape[1]
-            longest = row_shapes.max(axis=0) if n else np.zeros(nd, np.int64)
-            dims = []
-            for j in range(nd):
-                want = pad.fixed[j] if j < len(pad.fixed) else None
-                if want is not None:
-                    if longest[j] > want:  # (validation refuses such rows before they get here)
-                        raise ValueError(f"input {pad.name!r}: a row of {int(longest[j])} along axis {j + 1} does "
-                                         f"not fit the session's {want}")
-                    dims.append(int(want))
-                else:
-                    m = self._multiple or 1
-                    dims.append(int(-(-int(longest[j]) // m) * m))
+            dims = self._dims(i, pad, row_shapes)
             differ = np.flatnonzero((row_shapes != np.asarray(dims, np.int64)).any(axis=0)) if n else np.zeros(0)
             kvar = int(differ[-1]) if len(differ) else -1
             unit = math.prod(dims[kvar + 1:])

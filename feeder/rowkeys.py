@@ -19,6 +19,15 @@ row would grow with the data) and a resume from not reading them again. They are
 a state's ``delivered`` ranges hold the keys of the rows delivered *or filtered* (what a resume
 skips), its ``rows_delivered`` counts the rows delivered to consumers and ``rows_filtered``
 (present when any was) those filtered.
+
+A filtered row is fetched long before the rows around it are delivered (they wait in the queue,
+the rebatcher, the ready batches), and a filter that drops one row in ten leaves one lone key per
+dropped row ahead of the consumer: a state holding them would be a range per filtered row. So the
+ledger holds filtered keys *loose* until they join what is done: a run of loose keys enters the
+ranges once it touches (is adjacent to) a range, once it is long (``SETTLE_RUN`` keys or more: a
+unit the filter emptied), and at the end of the data. A state leaves the loose keys out (and out
+of its ``rows_filtered``): a resume reads those rows again and filters them again, and the state
+stays a few ranges per unit in flight, whatever the filter drops.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from .validation import InputSpec
 log = logging.getLogger("feeder")
 
 COMPACT_KEYS = 1 << 16  # recorded runs of keys merged into the ranges once this many are pending
+SETTLE_RUN = 64  # a run of filtered keys this long enters the ranges without waiting for a neighbour
 
 
 def with_row_keys(names: Sequence[str], specs: Sequence[InputSpec], axes: Sequence[int]
@@ -91,9 +101,21 @@ def merge_ranges(ranges: np.ndarray, keys: Optional[np.ndarray] = None) -> Tuple
     return merged, counted - covered
 
 
+def _touching(runs: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    """Mask of the ``runs`` (sorted disjoint [start, stop) ranges) that overlap or are adjacent to
+    one of ``ranges`` (sorted, disjoint)."""
+    if not len(ranges) or not len(runs):
+        return np.zeros(len(runs), dtype=bool)
+    i = np.searchsorted(ranges[:, 1], runs[:, 0], side="left")  # the first range ending at or after a run's start
+    safe = np.minimum(i, len(ranges) - 1)
+    out: np.ndarray = (i < len(ranges)) & (ranges[safe, 0] <= runs[:, 1])
+    return out
+
+
 class KeyLedger:
     """The keys of the rows a source delivered to consumers or filtered, as ranges (see module
-    docstring). ``filtered``: how many of them were filtered (those of ``ranges`` included)."""
+    docstring). ``filtered``: how many of them were filtered (those of ``ranges`` included); the
+    filtered keys still loose are apart (``loose_filtered``)."""
 
     def __init__(self, source: str, ranges: Optional[np.ndarray] = None, filtered: int = 0):
         self.source = source
@@ -102,6 +124,8 @@ class KeyLedger:
         self._pending: List[np.ndarray] = []       # keys recorded, not yet merged into the ranges
         self._pending_runs: List[np.ndarray] = []  # ... and batches of consecutive keys, as ranges
         self._pending_n = 0
+        self._filtered_new: List[np.ndarray] = []  # filtered keys not yet merged into the loose runs
+        self._loose = np.zeros((0, 2), np.int64)   # runs of filtered keys not yet in the ranges
         self.duplicates = 0
         self.filtered = int(filtered)
         # What the ledger started with, so that its end-of-data check counts this run's keys only.
@@ -121,8 +145,11 @@ class KeyLedger:
     def record(self, item: Any) -> None:
         """Called with every item a feed's ready queue pops, under that queue's lock: cheap."""
         keys = getattr(item, "keys", None)
-        if keys is None:
-            return
+        if keys is not None:
+            self.record_keys(keys)
+
+    def record_keys(self, keys: np.ndarray) -> None:
+        """Record the keys of rows delivered (or committed: feeder.predict)."""
         # Outside the lock (it is the consumer's path): a batch of consecutive keys is kept as its
         # range; others as a copy of their keys (the batch buffer is reused), sorted when merged.
         run = one_run(keys)
@@ -141,25 +168,47 @@ class KeyLedger:
         if not len(keys):
             return
         with self._lock:
-            self._pending.append(np.array(keys, dtype=np.int64))
+            self._filtered_new.append(np.array(keys, dtype=np.int64))
             self._pending_n += len(keys)
-            self.filtered += len(keys)
             if self._pending_n >= COMPACT_KEYS:
                 self._compact()
         listener = self.on_filtered
         if listener is not None:
             listener(keys)
 
-    def _compact(self) -> None:
+    def _compact(self, settle: bool = False) -> None:
+        dup = 0
         if self._pending or self._pending_runs:
             ranges = np.concatenate([self._ranges] + self._pending_runs) if self._pending_runs else self._ranges
             keys = np.concatenate(self._pending) if self._pending else None
-            self._pending, self._pending_runs, self._pending_n = [], [], 0
+            self._pending, self._pending_runs = [], []
             self._ranges, dup = merge_ranges(ranges, keys)
-            if dup:
-                self.duplicates += dup
-                log.error("source %r: row ledger does not balance: %d row key(s) were delivered twice",
-                          self.source, dup)
+        if self._filtered_new:
+            new = np.concatenate(self._filtered_new)
+            self._filtered_new = []
+            self._loose, twice = merge_ranges(self._loose, new)
+            dup += twice
+        self._pending_n = 0
+        loose = self._loose
+        if len(loose):
+            done = np.ones(len(loose), dtype=bool) if settle else (
+                _touching(loose, self._ranges) | (loose[:, 1] - loose[:, 0] >= SETTLE_RUN))
+            if done.any():
+                joined = loose[done]
+                self.filtered += int((joined[:, 1] - joined[:, 0]).sum())
+                self._ranges, twice = merge_ranges(np.concatenate([self._ranges, joined]))
+                dup += twice
+                self._loose = loose[~done]
+        if dup:
+            self.duplicates += dup
+            log.error("source %r: row ledger does not balance: %d row key(s) were delivered twice",
+                      self.source, dup)
+
+    def settle(self) -> None:
+        """Take every loose filtered key into the ranges (at the end of the data: nothing is left
+        in flight for them to wait for)."""
+        with self._lock:
+            self._compact(settle=True)
 
     def ranges(self) -> np.ndarray:
         """The delivered keys as an (k, 2) int64 array of sorted disjoint [start, stop) ranges."""
@@ -168,11 +217,23 @@ class KeyLedger:
             ranges: np.ndarray = self._ranges.copy()
             return ranges
 
-    def snapshot(self) -> Tuple[np.ndarray, int]:
-        """(the ranges of keys delivered or filtered, how many of them were filtered), together."""
+    def snapshot(self, loose: bool = False) -> Tuple[np.ndarray, int]:
+        """(the ranges of keys delivered or filtered, how many of them were filtered), together;
+        a state's. ``loose``: with the filtered keys still loose too (every key recorded: what the
+        ledger's checks count)."""
         with self._lock:
             self._compact()
+            if loose and len(self._loose):
+                count = int((self._loose[:, 1] - self._loose[:, 0]).sum())
+                return merge_ranges(np.concatenate([self._ranges, self._loose]))[0], self.filtered + count
             return self._ranges.copy(), self.filtered
+
+    @property
+    def loose_filtered(self) -> int:
+        """Filtered keys recorded and not yet in the ranges (nor in a state)."""
+        with self._lock:
+            self._compact()
+            return int((self._loose[:, 1] - self._loose[:, 0]).sum())
 
     def rows(self) -> int:
         """Rows delivered or filtered (whose keys the ledger holds)."""

@@ -72,8 +72,10 @@ class ChunkValidator:
     """
 
     def __init__(self, source: str, input_names: Sequence[str], batch_axes: Sequence[int],
-                 specs: Sequence[InputSpec], *, cast: bool, dont_rebatch: bool, fixed_batch: Optional[bool] = None):
+                 specs: Sequence[InputSpec], *, cast: bool, dont_rebatch: bool, fixed_batch: Optional[bool] = None,
+                 masks: Optional[Dict[str, str]] = None):
         self.source = source
+        self.masks = dict(masks or {})  # mask name -> its padded input (pad=): made by padding, never fetched
         self.names = tuple(input_names)
         self._index = {n: i for i, n in enumerate(self.names)}
         self.axes = tuple(batch_axes)
@@ -298,18 +300,29 @@ class ChunkValidator:
                     parts.append(f"missing {missing}")
                 if unknown:
                     parts.append(f"unknown {unknown}")
+                masked = [k for k in unknown if k in self.masks]
+                if masked:
+                    parts.append(self._mask_hint(masked[0]))
                 raise self._fail(worker_id, (missing or unknown)[0],
                                  f"a dict with keys {list(self.names)}", ", ".join(parts))
             return [chunk[n] for n in self.names]
         if isinstance(chunk, (list, tuple)):
             if len(chunk) != len(self.names):
-                raise self._fail(worker_id, None, f"{len(self.names)} arrays for inputs {list(self.names)}",
-                                 f"{len(chunk)} items")
+                got = f"{len(chunk)} items"
+                if self.masks and len(chunk) > len(self.names):
+                    got += f" ({', '.join(self._mask_hint(m) for m in self.masks)})"
+                raise self._fail(worker_id, None, f"{len(self.names)} arrays for inputs {list(self.names)}", got)
             return chunk
         if isinstance(chunk, np.ndarray) and len(self.names) == 1:
             raise self._fail(worker_id, self.names[0], "a list, tuple or dict of arrays",
                              f"a bare {_describe(chunk)} (wrap it: [array])")
         raise self._fail(worker_id, None, "a list, tuple or dict of numpy arrays, or None", _describe(chunk))
+
+    def _mask_hint(self, mask: str) -> str:
+        padded = self.masks[mask]
+        return (f"{mask!r} is the name of the mask pad= makes for input {padded!r}, never fetched: if fetch_fun "
+                f"returns data of that name, name the mask otherwise (mask_names={{{padded!r}: "
+                f"{padded + '_pad_mask'!r}}})")
 
     def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int, learned: bool) -> np.ndarray:
         if spec.is_string:

@@ -523,3 +523,91 @@ def test_resume_with_padding_and_a_window_is_exactly_once(ragged_parquet, window
     with second:
         after = [k for b in second.feed("train") for k in check(b)]
     assert sorted(before + after) == list(range(n))
+
+
+# ---- issue 34 ------------------------------------------------------------------------------------------------------
+def test_frames_are_rounded_along_their_length_only(coord):
+    """Item 3, through a feed without a session: frames [L, 80], pad_to_multiple_of=64 gave (8, 64, 128)."""
+    rng = np.random.default_rng(0)
+
+    def fetch(worker_id, batch_size):
+        return {"frames": [np.ones((int(n), 80), np.float32) for n in rng.integers(1, 60, size=8)],
+                "id": np.arange(8)}
+
+    feeder.init_data_input_workers(None, ["frames", "id"], fetch, 8, num_worker_threads=1, coordinator=coord,
+                                   pad={"frames": 0.0}, pad_to_multiple_of=64)
+    with coord:
+        batch = coord.feed("train").next_batch(timeout=10)
+    assert batch["frames"].shape == batch["frames_mask"].shape == (8, 64, 80)
+
+
+@pytest.fixture
+def nested_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    # list<list<int64>>: every row holds two lists, of different lengths from row to row
+    rows = [[[k] * (1 + k % 3), [k, k]] for k in range(8)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.list_(pa.int64()))), "id": np.arange(8)}),
+                   str(tmp_path / "nested.parquet"), row_group_size=2)
+    return tmp_path / "nested.parquet"
+
+
+@pytest.mark.parquet
+@pytest.mark.parametrize("pad", [{"tokens": 0}, None])
+def test_a_list_of_lists_of_different_lengths_is_bad_data_naming_the_column(coord, nested_parquet, pad):
+    """Item 2: it failed with "'Ragged' object has no attribute 'reshape'" as a FetchError, and with
+    max_fetch_errors=5 its row groups were skipped (0 of 8 rows, no error)."""
+    from feeder.sources import ParquetSource
+
+    feeder.init_data_input_workers(None, ["tokens", "id"], ParquetSource(str(nested_parquet)), 4,
+                                   num_worker_threads=1, coordinator=coord, pad=pad, max_fetch_errors=5)
+    with coord, pytest.raises(feeder.InputValidationError, match=r"column 'tokens' \(input 'tokens'\) of .*"
+                                                                 r"nested.parquet', row group 0: lists whose values "
+                                                                 r"are lists of different lengths"):
+        list(coord.feed("train"))
+
+
+def test_a_column_named_like_a_mask_is_refused_at_registration(coord):
+    """Item 10: a data column 'tokens_mask' beside pad={"tokens": 0} was silently taken for the mask
+    ("ArraySource has arrays ['tokens_mask'] for no input"); mask_names={"tokens": "id"} silently
+    removed the input 'id'; a plain fetch function failed at its first chunk without a word of the mask."""
+    from feeder.sources import ArraySource, ParquetSource  # noqa: F401
+
+    tokens = np.ones((8, 3), np.int64)
+    data = {"tokens": tokens, "tokens_mask": np.ones((8, 3), bool), "id": np.arange(8)}
+    with pytest.raises(ValueError, match=r"pad= makes a mask 'tokens_mask' for padded input 'tokens', and the "
+                                         r"ArraySource has a column 'tokens_mask'.*mask_names=\{'tokens': "
+                                         r"'tokens_pad_mask'\}"):
+        feeder.init_data_input_workers(None, ["tokens", "tokens_mask", "id"], ArraySource(data), 4,
+                                       coordinator=coord, pad={"tokens": 0})
+    with pytest.raises(ValueError, match=r"mask_names names a mask 'id' for padded input 'tokens', and the "
+                                         r"ArraySource has a column 'id'"):
+        feeder.init_data_input_workers(None, ["tokens", "id"], ArraySource({"tokens": tokens, "id": np.arange(8)}),
+                                       4, coordinator=coord, pad={"tokens": 0}, mask_names={"tokens": "id"})
+    with pytest.raises(ValueError, match=r"mask_names names the mask of padded input 'tokens' 'id', which "
+                                         r"input_names also lists.*never fetched"):
+        feeder.init_data_input_workers(None, ["tokens", "id"], RaggedRows(8), 4, coordinator=coord,
+                                       pad={"tokens": 0}, mask_names={"tokens": "id"})
+    # renamed, the column is data and the mask has its own name
+    feeder.init_data_input_workers(None, ["tokens", "tokens_mask", "id"], ArraySource(data), 4, coordinator=coord,
+                                   pad={"tokens": 0}, mask_names={"tokens": "pad_mask"})
+    with coord:
+        batch = coord.feed("train").next_batch(timeout=10)
+    assert sorted(batch) == ["id", "pad_mask", "tokens", "tokens_mask"] and batch["tokens_mask"].dtype == bool
+
+
+class WithOwnMask(RaggedRows):
+    def __call__(self, worker_id, batch_size):
+        chunk = super().__call__(worker_id, batch_size)
+        chunk["tokens_mask"] = np.ones(len(chunk["id"]), bool)
+        return chunk
+
+
+def test_a_fetch_function_returning_a_masks_name_is_told_which_mask_it_is(coord):
+    feeder.init_data_input_workers(None, ["tokens", "tokens_mask", "id"], WithOwnMask(8), 4, num_worker_threads=1,
+                                   coordinator=coord, pad={"tokens": 0})
+    with coord, pytest.raises(feeder.InputValidationError, match=r"unknown \['tokens_mask'\], 'tokens_mask' is the "
+                                                                 r"name of the mask pad= makes for input 'tokens'.*"
+                                                                 r"mask_names=\{'tokens': 'tokens_pad_mask'\}"):
+        coord.feed("train").next_batch(timeout=10)

@@ -41,7 +41,10 @@ def as_form(rows, form, rng):
     raise AssertionError(form)
 
 
-def check_batch(batch, rows_by_id, value, multiple, fixed=None, mask_at=2):
+def check_batch(batch, rows_by_id, value, multiple, fixed=None, mask_at=2, varies=None):
+    """``varies``: the axes of the rows on which rows of this rebatcher differed in the batches
+    checked before (updated here): with ``multiple``, those axes (and the one axis of 1-d rows)
+    are rounded up, the others keep the rows' one size (issue 34, item 3)."""
     ids_b, label, mask = batch[0], batch[1], batch[mask_at]
     assert mask.shape == ids_b.shape and mask.dtype == bool
     n = len(label)
@@ -55,12 +58,15 @@ def check_batch(batch, rows_by_id, value, multiple, fixed=None, mask_at=2):
         assert np.array_equal(mask[r], expect)
     assert (ids_b[~mask] == value).all()
     shapes = np.array([rows_by_id[int(k)].shape for k in label]).reshape(n, ids_b.ndim - 1)
+    varies = set() if varies is None else varies
+    if n:
+        varies.update(np.flatnonzero((shapes != shapes[0]).any(axis=0)).tolist())
     for j, d in enumerate(ids_b.shape[1:]):
         if fixed is not None and fixed[j] is not None:
             assert d == fixed[j]
         else:
             longest = int(shapes[:, j].max()) if n else 0
-            m = multiple or 1
+            m = (multiple or 1) if ids_b.ndim == 2 or j in varies else 1
             assert d == -(-longest // m) * m
 
 
@@ -79,6 +85,7 @@ def test_property_every_row_at_its_place_masks_exact_pads_and_shapes(sizes, batc
     rows_by_id = {}
     start = 0
     batches = []
+    varies = set()
     for size, form in zip(sizes, forms):
         rows = make_rows(rng, size, start, trailing=(2,) if trailing == "vary" else trailing,
                          vary_trailing=trailing == "vary")
@@ -103,7 +110,7 @@ def test_property_every_row_at_its_place_masks_exact_pads_and_shapes(sizes, batc
         held_before = rb.pending_rows
         while (b := rb.pop()) is not None:
             assert len(b[1]) == batch_size
-            check_batch(b, rows_by_id, value, multiple)
+            check_batch(b, rows_by_id, value, multiple, varies=varies)
             batches.append([a.copy() for a in b])
         if win is not None:  # memory: the window, plus the chunk just added
             assert rb.pending_rows <= max(win, batch_size) + size + batch_size
@@ -111,11 +118,11 @@ def test_property_every_row_at_its_place_masks_exact_pads_and_shapes(sizes, batc
     rb.end_of_data()
     while (b := rb.pop()) is not None:
         assert len(b[1]) == batch_size
-        check_batch(b, rows_by_id, value, multiple)
+        check_batch(b, rows_by_id, value, multiple, varies=varies)
         batches.append([a.copy() for a in b])
     if (b := rb.flush()) is not None:
         assert 0 < len(b[1]) < batch_size
-        check_batch(b, rows_by_id, value, multiple)
+        check_batch(b, rows_by_id, value, multiple, varies=varies)
         batches.append(b)
     assert rb.pending_rows == 0 and rb.flush() is None
     seen = [int(k) for b in batches for k in b[1]]
@@ -283,3 +290,30 @@ def test_dense_as_ragged_is_a_view():
     a = np.arange(12).reshape(3, 4)
     r = dense_as_ragged(a)
     assert np.shares_memory(r.values, a) and r.shapes.tolist() == [[4]] * 3
+
+
+# ---- issue 34, item 3: pad_to_multiple_of rounds the axes along which rows vary ----------------------------------
+def test_a_multiple_rounds_the_axes_rows_vary_along_and_keeps_those_they_agree_on():
+    """Frames [L, 80] with pad_to_multiple_of=64 came out (n, 64, 128); images [H, W, 3] with 4
+    channels. Rounded: rows of one axis (always), and an axis on which rows of the feed have
+    differed, in this batch or an earlier one; an axis on which every row so far agreed keeps its size."""
+    frames = [np.ones((n, 80), np.float32) for n in (10, 37, 5)]
+    rb = PadRebatcher(3, [0, 0], [pad_input(fixed=(None, None))], multiple=64)
+    rb.add([Ragged(np.concatenate(frames), np.cumsum([0, 10, 37, 5])), np.arange(3)])
+    assert rb.pop()[0].shape == (3, 64, 80)
+    images = [np.ones((h, w, 3), np.uint8) for h, w in ((30, 40), (50, 20))]
+    rb = PadRebatcher(2, [0, 0], [pad_input(fixed=(None, None, None))], multiple=8)
+    rb.add([Ragged.from_rows(images), np.arange(2)])
+    assert rb.pop()[0].shape == (2, 56, 40, 3)
+    # the same lengths in one batch: its axis is rounded once rows of the feed have differed on it...
+    rb.add([Ragged.from_rows([np.ones((9, 13, 3), np.uint8)] * 2), np.arange(2)])
+    assert rb.pop()[0].shape == (2, 16, 16, 3)
+    # ... and, for rows of one axis (token ids), always
+    rb = PadRebatcher(2, [0, 0], [pad_input()], multiple=8)
+    rb.add([Ragged.from_rows([np.arange(1, 6)] * 2), np.arange(2)])
+    ids, _, mask = rb.pop()
+    assert ids.shape == mask.shape == (2, 8) and mask.sum() == 10
+    # a batch before any row differed along an axis keeps its size there: nothing says it varies
+    rb = PadRebatcher(2, [0, 0], [pad_input(fixed=(None, None))], multiple=8)
+    rb.add([Ragged.from_rows([np.ones((5, 3))] * 2), np.arange(2)])
+    assert rb.pop()[0].shape == (2, 5, 3)

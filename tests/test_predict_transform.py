@@ -299,3 +299,70 @@ def test_killed_at_random_moments_a_map_and_filter_output_completes_with_every_k
                                rtol=1e-6, atol=1e-6)
     state = json.loads((out / STATE_NAME).read_text())
     assert state["complete"] and (out / SUCCESS_NAME).exists() and state["rows_filtered"] == 1200
+
+
+# ---- issue 34 ---------------------------------------------------------------------------------------------------
+def every_tenth_hashed(d):
+    return (d["id"] * 2654435761) % 10 != 3  # drops one row in ten, scattered
+
+
+def test_the_outputs_state_stays_a_few_ranges_while_filtered_rows_run_ahead_of_the_commits(tmp_path):
+    """Item 7: a state committed with each part held every filtered key fetched so far, ahead of
+    the rows committed: a range per filtered row. Loose until they touch committed rows, they stay
+    out of it (and are read and filtered again after a crash)."""
+    n = 40_000
+    x = data(n)
+    out = tmp_path / "out"
+    src = FailingSource({"x": x, "id": np.arange(n)}, block_rows=500)
+    src.fail_at, src.min_rows, src.out = 40, 2_000, out
+    with pytest.raises(FetchError):
+        feeder.predict(session(linear_model()), src.filter(every_tenth_hashed), out, batch_size=64, keep=["id"],
+                       rows_per_file=1_000, replicas=1, num_worker_threads=1, progress=False)
+    state = json.loads((out / STATE_NAME).read_text())
+    assert state["rows"] >= 2_000
+    assert len(state["source"]["delivered"]) <= 4, state["source"]["delivered"][:10]
+    covered = sum(b - a for a, b in state["source"]["delivered"])
+    assert covered == state["rows"] + state["source"].get("rows_filtered", 0)
+    again = FailingSource({"x": x, "id": np.arange(n)}, block_rows=500)
+    result = feeder.predict(session(linear_model()), again.filter(every_tenth_hashed), out, batch_size=64,
+                            keep=["id"], rows_per_file=1_000, progress=False)
+    kept = [i for i in range(n) if (i * 2654435761) % 10 != 3]
+    assert result.rows == len(kept) and sorted(pq.read_table(str(out))["id"].to_pylist()) == kept
+    final = json.loads((out / STATE_NAME).read_text())
+    assert final["source"]["delivered"] == [[0, n]] and final["rows_filtered"] == n - len(kept)
+
+
+LAMBDAS = '''
+{blank}
+keep = lambda d: d["id"] % {modulus} != 0
+'''
+
+
+def _module(tmp_path, name, blank="", modulus=5):
+    import importlib.util
+    path = tmp_path / f"{name}.py"
+    path.write_text(LAMBDAS.format(blank=blank, modulus=modulus))
+    spec = importlib.util.spec_from_file_location("score_steps", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_output_continues_after_a_comment_is_added_above_its_lambda(tmp_path):
+    """Item 8: the lambda's line was part of the output's definition, so only overwrite=True got past
+    an unrelated edit, recomputing everything; its code is what counts."""
+    n = 600
+    x = data(n)
+
+    def src(m):
+        return ArraySource({"x": x, "id": np.arange(n)}, block_rows=50).filter(m.keep)
+
+    first = feeder.predict(session(linear_model()), src(_module(tmp_path, "a")), tmp_path / "out", keep=["id"],
+                           progress=False)
+    moved = _module(tmp_path, "b", blank="# a comment\n\n")
+    again = feeder.predict(session(linear_model()), src(moved), tmp_path / "out", keep=["id"], progress=False)
+    assert (again.rows, again.rows_computed) == (first.rows, 0)
+    with pytest.raises(ValueError, match=r"source transforms_code step 1 \(filter score_steps.<lambda>\): the output "
+                                         r"has other contents than this call"):
+        feeder.predict(session(linear_model()), src(_module(tmp_path, "c", modulus=4)), tmp_path / "out",
+                       keep=["id"], progress=False)

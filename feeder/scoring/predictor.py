@@ -41,7 +41,7 @@ from ..api import init_data_input_workers
 from ..coordinator import GlobalCoordinator
 from ..device import providers_for
 from ..errors import FeederError
-from ..rowkeys import KeyLedger, merge_ranges, source_state
+from ..rowkeys import KeyLedger, source_state
 from ..runtime import (
     PredictSession,
     import_onnxruntime,
@@ -126,7 +126,9 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             the model's inputs in the model's order, then the kept ones that are not model inputs.
         output: The folder that becomes the Parquet dataset (created if missing). With a source
             sharded between ranks (``shard=``), each rank writes its own folder: ``output`` with
-            ``{rank}`` and ``{world}`` filled in, or else ``output/rank-RRRRR-of-WWWWW``.
+            ``{rank}`` and ``{world}`` filled in, or else (no ``{rank}``) ``output``, its
+            ``{world}`` filled in, then ``/rank-RRRRR-of-WWWWW``. Unsharded, ``{rank}`` is 0 and
+            ``{world}`` 1.
         batch_size: Rows per batch handed to the model (> 0).
         outputs: Names of the model outputs to write, in that order; None writes all of them.
         keep: Names of source inputs written beside the predictions (an id, a path); they need
@@ -173,7 +175,8 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
             written), an output folder holding files feeder did not write or inside a folder a
             ``ParquetSource`` reads, an output of another source definition or model (unless
             ``overwrite``; the message names the files, inputs, outputs or external data files
-            that differ), an endless source.
+            that differ), an endless source, a source with ``equal_steps=True`` (it leaves rows
+            out).
         ImportError: pyarrow (the ``parquet`` extra) is missing.
         FeederError: Writing failed (the original error is its ``__cause__``); the output stays
             at its last commit, ready to be continued. A fetch failure, a bad chunk or a failing
@@ -190,6 +193,12 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     if getattr(source, "epochs", 1) is None:
         raise ValueError(f"{type(source).__name__} is endless (epochs=None): feeder.predict needs a finite source "
                          f"(epochs=1 scores every row once)")
+    if getattr(source, "feeder_equal_steps", False):
+        # equal_steps leaves each epoch's last rows out so that training ranks take equal steps;
+        # scoring has no collective step, and an output without those rows would say it is complete.
+        raise ValueError(f"{type(source).__name__} has equal_steps=True, which leaves rows of every epoch out (the "
+                         f"remainder of rows // world_size): feeder.predict writes every row, and its ranks need "
+                         f"no equal steps; create the source without equal_steps")
     session, identity = _open_model(model, providers)
     plan = _Plan.make(session, source, outputs, keep, batch_size, ordered=ordered, squeeze=squeeze)
     fingerprint = {**model_signature(session), **identity}
@@ -410,16 +419,22 @@ def _check_source_inputs(source: Any, model_inputs: List[str], kept: List[str], 
 def rank_output(output: Any, source: Any) -> Any:
     """The output folder of this call: ``output`` itself, or for a source sharded between ranks
     (``shard=``), the rank's own: ``output`` with ``{rank}`` and ``{world}`` filled in, or else
-    ``output/rank-RRRRR-of-WWWWW`` (so that ranks never write one folder, and the parent folder
-    reads as one dataset of every rank's parts)."""
+    (no ``{rank}`` in it) ``output`` with ``{world}`` filled in, then ``/rank-RRRRR-of-WWWWW``
+    (so that ranks never write one folder, and the parent folder reads as one dataset of every
+    rank's parts). Unsharded, ``{rank}`` and ``{world}`` are 0 and 1."""
     source = _wrapped(source)  # a map or filter of a sharded source is sharded the same way
     shard = getattr(source, "shard", None)
     if not isinstance(source, ShardedSource) or shard is None or shard[1] < 2:
+        # unsharded: rank 0 of 1 (so that one script serves both), never a folder named "{rank}"
+        if isinstance(output, (str, os.PathLike)) and ("{rank}" in os.fspath(output) or
+                                                      "{world}" in os.fspath(output)):
+            return os.fspath(output).replace("{rank}", "0").replace("{world}", "1")
         return output
-    path = os.fspath(output)
+    given = os.fspath(output)
     rank, world = shard
-    if "{rank}" in path:
-        return path.replace("{rank}", str(rank)).replace("{world}", str(world))
+    path = given.replace("{rank}", str(rank)).replace("{world}", str(world))
+    if "{rank}" in given:
+        return path
     if "://" not in path and os.path.exists(os.path.join(path, STATE_NAME)):  # (a local output, that is)
         raise ValueError(f"output {path!r} is itself an output of feeder.predict, and this call's source is rank "
                          f"{rank} of {world}, whose output would go inside it: pass the folder that holds the ranks' "
@@ -493,13 +508,15 @@ class _Job:
         self.durable = durable
         self.parts: List[Dict[str, Any]] = []
         self.rows = 0
-        # Rows the source's filter dropped: done, never written. Their keys are in _ranges with the
-        # committed rows' (recorded at each commit from _filtered_keys, as the source's ledger got them).
+        # Rows the source's filter dropped: done, never written. Their keys join the committed rows'
+        # in _done (recorded at each commit from _filtered_keys, as the source's ledger got them),
+        # loose until they touch committed rows, as in the source's own ledger (feeder.rowkeys): the
+        # state stays a few ranges whatever the filter drops. ``filtered`` counts those in the state.
         self.filtered = 0
         self._filtered_keys: List[np.ndarray] = []
         self._filtered_lock = threading.Lock()
         self.resume: Optional[Dict[str, Any]] = None
-        self._ranges = np.zeros((0, 2), np.int64)
+        self._done = KeyLedger(SOURCE_NAME)
         self._fresh = True
 
     def files(self) -> List[str]:
@@ -535,8 +552,8 @@ class _Job:
         self.parts = list(state["parts"])
         self.rows = int(state["rows"])
         self.resume = state["source"]
-        self._ranges = ranges_of(self.resume)
         self.filtered = int(self.resume.get("rows_filtered", 0) or 0) if self.resume else 0
+        self._done = KeyLedger(SOURCE_NAME, ranges_of(self.resume), self.filtered)
         self._fresh = False
         total = self._total()
         if total is not None and self.rows + self.filtered > total:
@@ -628,7 +645,7 @@ class _Job:
             # ours), then whatever the state does not commit is deleted.
             self.out.remove_marker(durable=self.durable)
             if self._fresh:
-                self.parts, self.rows, self._ranges = [], 0, np.zeros((0, 2), np.int64)
+                self.parts, self.rows, self._done = [], 0, KeyLedger(SOURCE_NAME)
                 self.filtered = 0
                 self.out.write_state(self._state(complete=False), durable=self.durable)
             removed = self.out.recover({p["file"] for p in self.parts})
@@ -673,11 +690,15 @@ class _Job:
             self.rows += part.rows
         if self.plan.keyed and (part is not None or final):
             # The rows filtered so far are done too (they will never be written): committed with this part.
-            filtered = self._take_filtered()
-            self.filtered += len(filtered)
-            done = filtered if keys is None else np.concatenate([keys, filtered])
-            self._ranges, twice = merge_ranges(self._ranges, done)
-            covered = int((self._ranges[:, 1] - self._ranges[:, 0]).sum())
+            done = self._done
+            if keys is not None:
+                done.record_keys(keys)
+            done.record_filtered(self._take_filtered())
+            if final:
+                done.settle()
+            ranges, self.filtered = done.snapshot()
+            covered = int((ranges[:, 1] - ranges[:, 0]).sum())
+            twice = done.duplicates
             if twice or covered != self.rows + self.filtered:  # a bug, never a user's error: refuse to commit it
                 raise FeederError(f"feeder.predict: the committed parts hold {self.rows} rows and {self.filtered} were "
                                   f"filtered, but their row keys cover {covered} ({twice} twice); the output is left "
@@ -696,7 +717,7 @@ class _Job:
     def _state(self, complete: bool) -> Dict[str, Any]:
         src = None
         if self.plan.keyed:
-            src = source_state(SOURCE_NAME, KeyLedger(SOURCE_NAME, self._ranges, self.filtered), self.source)
+            src = source_state(SOURCE_NAME, self._done, self.source)
         state = {"format": STATE_FORMAT, "complete": complete, "resumable": self.plan.keyed,
                  "model": self.fingerprint, "options": self.options, "rows": self.rows, "parts": list(self.parts),
                  "source": src}

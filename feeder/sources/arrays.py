@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -87,6 +87,10 @@ class ArraySource(ShardedSource):
     def _transform_columns(self) -> List[str]:
         assert self.names is not None  # _check_transformable
         return list(self.names)
+
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        # every array feeds an input (feeder_validate refuses one that does not)
+        return (list(self.names), True) if self.names is not None else None
 
     def _label(self, i: int) -> str:
         return repr(self.names[i]) if self.names is not None else f"#{i}"

@@ -48,6 +48,18 @@ def _is(pa: Any, name: str, t: Any) -> bool:
     return bool(test(t)) if test is not None else False
 
 
+def _nested(values: Any, where: str) -> np.ndarray:
+    """The values of lists that all have one length, as an array: lists inside them that differ in
+    length (``list<list<int64>>``) are bad data for every input, an InputValidationError naming
+    ``where`` (never a fetch error that ``max_fetch_errors`` could skip)."""
+    if isinstance(values, Ragged):
+        raise InputValidationError(f"{where}: lists whose values are lists of different lengths: only numeric lists "
+                                   f"of one level may differ in length (a padded input); a list of lists must have "
+                                   f"one length at every level but the first")
+    out: np.ndarray = values
+    return out
+
+
 def _convert(pa: Any, arr: Any, where: str) -> Any:
     if arr.null_count:  # checked at every level: a list's values may hold nulls of their own
         raise InputValidationError(f"{where} has {arr.null_count} null value(s); feeder inputs cannot hold nulls "
@@ -62,7 +74,7 @@ def _convert(pa: Any, arr: Any, where: str) -> Any:
             return np.asarray(arr.to_numpy(zero_copy_only=False))
         return _convert(pa, arr.storage, where)
     if pa.types.is_fixed_size_list(t):
-        values = _convert(pa, arr.flatten(), where)
+        values = _nested(_convert(pa, arr.flatten(), where), where)
         return values.reshape((len(arr), t.list_size) + values.shape[1:])
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         offsets = np.asarray(arr.offsets)
@@ -76,7 +88,7 @@ def _convert(pa: Any, arr: Any, where: str) -> Any:
                 raise InputValidationError(f"{where}: lists of different lengths whose values are {what}: only "
                                            f"numeric lists of one level may differ in length (a padded input)")
             return Ragged(values, offsets - offsets[0])
-        values = _convert(pa, arr.flatten(), where)
+        values = _nested(_convert(pa, arr.flatten(), where), where)
         size = int(lengths[0]) if len(lengths) else 0
         return values.reshape((len(arr), size) + values.shape[1:])
     if pa.types.is_string(t) or pa.types.is_large_string(t) or _is(pa, "is_string_view", t):

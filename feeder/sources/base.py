@@ -265,6 +265,12 @@ class Transformable:
         registration; a ValueError for a column it lacks)."""
         raise NotImplementedError
 
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        """At registration, before the inputs are checked: (the columns this source has, whether it
+        feeds every one of them), or None when it cannot tell yet (registration refuses a mask
+        named like a column with it)."""
+        return None
+
 
 # ---- sharded sources -----------------------------------------------------------------------
 class ShardedSource(Transformable):
@@ -363,6 +369,12 @@ class ShardedSource(Transformable):
         if self.shard is not None and 0 < self.rows < self.shard[1]:
             raise ValueError(f"shard={self.shard}: {self.rows} rows per epoch cannot be split among {self.shard[1]} "
                              f"ranks (every rank needs at least one row of each epoch)")
+        if self.shuffle_window is not None and 0 < self.rows < self.shuffle_window:
+            # The window's buffers are sized for it when it first fills: a window beyond the table
+            # would never fill, and a mistyped one would fail for memory at the first fetch.
+            raise ValueError(f"shuffle_window={self.shuffle_window} rows is more than this source's {self.rows} rows "
+                             f"per epoch: the window holds that many rows in memory; pass at most {self.rows} "
+                             f"(shuffle_window=len(source) mixes the rows of a whole epoch)")
         self._plan_sequence(None)
 
     def __len__(self) -> int:
@@ -583,6 +595,13 @@ class ShardedSource(Transformable):
         if record["world"] != world or record["ranks"] != [rank]:
             raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is rank {rank} of {world}: "
                              f"a rank resumes from its own state on the same world size; otherwise {merge}")
+        theirs_equal = record.get("equal_steps")  # (None: a state of a feeder that did not record it)
+        if theirs_equal is not None and bool(theirs_equal) != self.equal_steps:
+            raise ValueError(f"source {name!r}: resume_from is {theirs} with equal_steps={bool(theirs_equal)}, and "
+                             f"this source has equal_steps={self.equal_steps}: a rank resumes from its own state with "
+                             f"its share cut as before (cut otherwise, rows would be delivered twice or never); "
+                             f"create the source with equal_steps={bool(theirs_equal)}, or {merge} (a merged state "
+                             f"resumes with either)")
         basis = np.asarray(record.get("basis") or [], dtype=np.int64).reshape(-1, 2)
         filtered = int(record.get("basis_filtered", 0) or 0) if len(basis) else 0
         return RankPlan(rank, world, self.equal_steps, own=_merged(ranges_of(resume))), basis, filtered
@@ -602,8 +621,14 @@ class ShardedSource(Transformable):
         rank, and the basis its share was cut from (see feeder.sources.sharding)."""
         if self.shard is None or self.shard[1] < 2:
             return None
-        return {"world": self.shard[1], "ranks": [self.shard[0]],
+        return {"world": self.shard[1], "ranks": [self.shard[0]], "equal_steps": self.equal_steps,
                 "basis": [[int(a), int(b)] for a, b in self._basis], "basis_filtered": self._basis_filtered}
+
+    @property
+    def feeder_equal_steps(self) -> bool:
+        """Every rank gets the same number of rows per epoch (``equal_steps`` on a source sharded
+        between two ranks or more): rows of each epoch are left out."""
+        return self.equal_steps and self.shard is not None and self.shard[1] > 1
 
     def feeder_release(self) -> None:
         """At ``stop()``: forget the workers' cursors and the shared counter."""
@@ -661,7 +686,12 @@ class ShardedSource(Transformable):
         if window is None:
             binding = self._binding
             workers = len(binding.worker_ids) if binding is not None else 1
-            rng = np.random.default_rng([self.seed, 2, worker_id])
+            # Each worker's window draws its own stream, and so does each rank's (their worker ids
+            # are the same): reproducible from (seed, worker, rank, world).
+            entropy = [self.seed, 2, worker_id]
+            if self.shard is not None and self.shard[1] > 1:
+                entropy += [self.shard[0], self.shard[1]]
+            rng = np.random.default_rng(entropy)
             # shuffle_window rows in all, split between the source's workers (each its own window)
             window = self._windows[worker_id] = ShuffleWindow(max(1, (self.shuffle_window or 1) // workers), rng)
         by_index = self.gathers_rows
@@ -774,6 +804,26 @@ def check_state(state: Any, definition: Mapping[str, Any]) -> None:
 
 SHOWN_NAMES = 10  # file names listed per kind of change in a message; the count says how many more
 _DIGEST = re.compile(r"[0-9a-f]{16,64}\Z")
+# What a transformed source's definition records of its steps (feeder.sources.transform): each
+# step's kind and function name, and a digest of each function's code.
+STEP_KEYS = ("transforms", "transforms_code")
+_WHERE = re.compile(r" \([^()]*:\d+\)\Z")  # " (train.py:9)": where an earlier feeder said a lambda sat
+
+
+def _step_view(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> Tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """The two definitions as their steps are compared: a definition written by an earlier feeder
+    named each lambda with its file and line and had no code digests (its steps are then compared
+    by kind and name alone); when the steps themselves differ, their code is not reported too."""
+    if STEP_KEYS[1] not in theirs and STEP_KEYS[1] not in mine:
+        return theirs, mine
+    if STEP_KEYS[1] not in theirs and STEP_KEYS[1] in mine and isinstance(theirs.get("transforms"), list):
+        steps = [[s[0], _WHERE.sub("", s[1])] if isinstance(s, list) and len(s) == 2 and isinstance(s[1], str)
+                 else s for s in theirs["transforms"]]
+        theirs = {**theirs, "transforms": steps, STEP_KEYS[1]: mine[STEP_KEYS[1]]}
+    if jsonish(theirs.get("transforms")) != jsonish(mine.get("transforms")):
+        mine = {k: v for k, v in mine.items() if k != STEP_KEYS[1]}
+        theirs = {k: v for k, v in theirs.items() if k != STEP_KEYS[1]}
+    return theirs, mine
 
 
 def definition_differences(theirs: Mapping[str, Any], mine: Mapping[str, Any], *, theirs_has: str = "the state has",
@@ -782,7 +832,9 @@ def definition_differences(theirs: Mapping[str, Any], mine: Mapping[str, Any], *
     JSON sees them: ``key: the state has X, this source Y``. ``files`` (lists of per-file records
     ``{"name", "size", "version", ...}``) are compared by name: the files added, removed and
     changed, and how. A hash (a hex digest) is said to differ, never shown. ``depth`` > 0 goes
-    that many levels into dicts, so that a message names the entry that differs (a model's input)."""
+    that many levels into dicts, so that a message names the entry that differs (a model's input).
+    A transformed source's steps are compared as :func:`_step_view` says."""
+    theirs, mine = _step_view(theirs, mine)
     out: List[str] = []
     for key in list(mine) + [k for k in theirs if k not in mine]:
         a, b = jsonish(theirs.get(key)), jsonish(mine.get(key))

@@ -57,6 +57,9 @@ COALESCE_BYTES = 8 << 20   # adjacent row groups of one object read in one reque
 READAHEAD_BYTES = 256 << 20  # readahead_bytes=None: bytes (decoded) read ahead and not yet taken, at most
 OPEN_HANDLES = 64          # objects kept open per source (and process), least recently used closed first
 PRE_BUFFER = True          # a row group's column chunks fetched in few coalesced, concurrent requests
+# The Arrow types (as str() names them) of the scalar numeric columns a stacked input takes.
+STACKABLE_TYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                             "halffloat", "float", "double"})
 GLOB_CHARS = "*?["
 # Stacking scalar columns into an [N, k] input fills the output in blocks of rows of about this
 # many bytes, column by column: each block stays in cache while its k columns are written.
@@ -287,6 +290,7 @@ class ParquetSource(ShardedSource):
         if given is not None:
             self.columns = self._expand(given)
             self._check_columns(self._flat(self.columns))
+            self._check_stacked(self.columns)
         # Set at bind from what the sessions declare: the dtype each stacked input is cast to as
         # it is filled (cast=True), and the inputs of shape [N, 1] fed by one scalar column.
         self._targets: Dict[str, np.dtype] = {}
@@ -335,6 +339,12 @@ class ParquetSource(ShardedSource):
         if self.columns is not None:
             return list(self.columns)
         return list(self._fields[0]) if self._fields else []
+
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        # columns= maps exactly the inputs; without it, inputs are read from the columns of their names
+        if self.columns is not None:
+            return list(self.columns), True
+        return (list(self._fields[0]) if self._fields else []), False
 
     def _reset_io(self) -> None:
         """What reading from a store holds in one process: open objects, the readahead pool, the
@@ -425,6 +435,25 @@ class ParquetSource(ShardedSource):
         # Not "source_..." names: those are the source's own figures, which PrometheusLogger takes
         # from one feed; these are the feed's workers', summed over a source's replicas.
         return {"retries": float(retries), "retries_exhausted": float(exhausted)}
+
+    def _check_stacked(self, columns: Mapping[str, Union[str, List[str]]]) -> None:
+        """ValueError naming a column a stacked input cannot take (a string, a list: see _stack),
+        from the files' schemas, before anything is read."""
+        seen: Set[int] = set()
+        for (path, _), fields in zip(self.files, self._fields):
+            if id(fields) in seen:  # files of one schema share one dict
+                continue
+            seen.add(id(fields))
+            for name, cols in columns.items():
+                if isinstance(cols, str):
+                    continue
+                for c in cols:
+                    t = fields[c]
+                    values = t[len("dictionary<values="):].split(",", 1)[0] if t.startswith("dictionary<") else t
+                    if values not in STACKABLE_TYPES:
+                        raise ValueError(f"ParquetSource: input {name!r} stacks column {c!r}, which is {t} in "
+                                         f"{path!r}: a stacked input takes scalar numeric columns; name it alone "
+                                         f"(columns={{{name!r}: {c!r}}}) or leave it out")
 
     def _check_columns(self, wanted: Sequence[str]) -> None:
         for (path, _), fields in zip(self.files, self._fields):

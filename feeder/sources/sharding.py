@@ -31,30 +31,94 @@ import numpy as np
 
 Piece = Tuple[int, Optional[np.ndarray]]  # (unit, positions in its row order; None: all of them)
 
-SHARD_ENV = ("RANK", "WORLD_SIZE")
+# Where shard="env" finds this process's rank and the world size: each launcher's pair of
+# variables, in this order (a launcher started inside another one comes first: torchrun is
+# started by srun or mpirun, mpirun and mpiexec inside a Slurm job).
+SHARD_ENV: Tuple[Tuple[str, str, str], ...] = (
+    ("RANK", "WORLD_SIZE", "torchrun, torch.distributed launchers, Kubernetes operators"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMI_RANK", "PMI_SIZE", "MPICH and Intel MPI's mpiexec, srun --mpi=pmi2"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "Slurm's srun"),
+)
+# Set beside RANK and WORLD_SIZE by launchers that start the processes themselves (torchrun,
+# DeepSpeed, accelerate): their RANK and WORLD_SIZE are the processes' own, whatever the
+# variables of the launcher that started them (srun, mpirun) say.
+LAUNCHED_BY_TORCH = "LOCAL_RANK"
+
+
+def _pair_text(rank_var: str, world_var: str, values: Tuple[str, str]) -> str:
+    return f"{rank_var}={values[0]} and {world_var}={values[1]}"
+
+
+def env_shard(environ: Optional[Mapping[str, str]] = None) -> Tuple[Tuple[int, int], str]:
+    """``((rank, world_size), where)`` from the environment (see :data:`SHARD_ENV`): the first
+    launcher whose two variables are both set; ValueError naming the variables for one set without
+    its partner ahead of it, for values that are not integers, for two launchers whose values
+    disagree where one cannot be started inside the other, and for none set at all."""
+    env = os.environ if environ is None else environ
+    found: List[Tuple[int, Tuple[str, str]]] = []  # (index in SHARD_ENV, the two values as set)
+    half: List[str] = []
+    for i, (rv, wv, _) in enumerate(SHARD_ENV):
+        r, w = env.get(rv), env.get(wv)
+        if r is not None and w is not None:
+            found.append((i, (r, w)))
+        elif (r is None) != (w is None) and not found:
+            have, lack = (rv, wv) if r is not None else (wv, rv)
+            half.append(f"{have}={env.get(have)!r} is set but {lack} is not")
+    if not found:
+        names = ", ".join(f"{rv}/{wv} ({who})" for rv, wv, who in SHARD_ENV)
+        detail = "; ".join(half) if half else (f"{SHARD_ENV[0][0]} is not set, nor "
+                                               + ", ".join(rv for rv, _, _ in SHARD_ENV[1:]))
+        raise ValueError(f"shard='env' needs the rank and world size in the environment: RANK and WORLD_SIZE, or "
+                         f"another launcher's pair, read in this order: {names}; {detail}. Pass "
+                         f"shard=(rank, world_size) where no launcher sets them")
+    first, values = found[0]
+    rv, wv, who = SHARD_ENV[first]
+    if half:  # a partner missing ahead of the pair found: a variable left over, or set by hand
+        raise ValueError(f"shard='env': {half[0]}, while {_pair_text(rv, wv, values)} ({who}) are: unset the "
+                         f"stray one, or pass shard=(rank, world_size)")
+    parsed = []
+    for var, text in ((rv, values[0]), (wv, values[1])):
+        try:
+            parsed.append(int(text))
+        except ValueError:
+            raise ValueError(f"shard='env': {var}={text!r} is not an integer") from None
+    for other, theirs in found[1:]:
+        orv, owv, owho = SHARD_ENV[other]
+        try:
+            same = (int(theirs[0]), int(theirs[1])) == (parsed[0], parsed[1])
+        except ValueError:
+            same = False
+        if same or _nests(first, other, env):
+            continue
+        raise ValueError(f"shard='env': {_pair_text(rv, wv, values)} ({who}) disagree with "
+                         f"{_pair_text(orv, owv, theirs)} ({owho}), and neither launcher starts the other"
+                         + (f" ({rv} and {wv} without {LAUNCHED_BY_TORCH}: left over from another job? A "
+                            f"launcher of your own that starts the ranks inside this job sets {LAUNCHED_BY_TORCH} "
+                            f"beside them, as torchrun does)" if first == 0 else "")
+                         + ": unset the variables that are wrong here, or pass shard=(rank, world_size)")
+    return (parsed[0], parsed[1]), f" (from {rv} and {wv})"
+
+
+def _nests(inner: int, outer: int, env: Mapping[str, str]) -> bool:
+    """Launcher ``inner`` of SHARD_ENV may have been started by launcher ``outer``, so that their
+    values differ rightly: torchrun (and the launchers like it, which set LOCAL_RANK) under any
+    other; mpirun or mpiexec inside a Slurm job."""
+    if inner == 0:
+        return LAUNCHED_BY_TORCH in env
+    return SHARD_ENV[outer][0] == "SLURM_PROCID"
 
 
 def check_shard(shard: Any) -> Optional[Tuple[int, int]]:
     """``(rank, world_size)`` from a ``shard=`` argument: None, a pair of ints, or ``"env"`` (the
-    ``RANK`` and ``WORLD_SIZE`` environment variables that torchrun, Slurm wrappers and MPI
-    launchers set). ValueError or TypeError naming what is wrong."""
+    variables a launcher sets: ``RANK`` and ``WORLD_SIZE`` from torchrun, or Open MPI's, MPICH's
+    or Slurm's, see :func:`env_shard`). ValueError or TypeError naming what is wrong."""
     if shard is None:
         return None
     if isinstance(shard, str):
         if shard != "env":
             raise ValueError(f"shard must be (rank, world_size), 'env' or None, got {shard!r}")
-        values = []
-        for var in SHARD_ENV:
-            text = os.environ.get(var)
-            if text is None:
-                raise ValueError(f"shard='env' needs the environment variables RANK and WORLD_SIZE (set by "
-                                 f"torchrun, Slurm or your launcher); {var} is not set")
-            try:
-                values.append(int(text))
-            except ValueError:
-                raise ValueError(f"shard='env': {var}={text!r} is not an integer") from None
-        rank, world = values
-        where = " (from RANK and WORLD_SIZE)"
+        (rank, world), where = env_shard()
     else:
         if not isinstance(shard, (tuple, list)) or len(shard) != 2:
             raise TypeError(f"shard must be (rank, world_size), 'env' or None, got {shard!r}")

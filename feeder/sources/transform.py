@@ -24,10 +24,13 @@ stays out of the user's sight:
 * **Figures.** ``feeder_counters(worker_ids)``: rows filtered and seconds spent in the functions
   (``transform_s``, apart from reading) per worker, added to ``feed.metrics()`` and shown by
   ``diagnose()``.
-* **Definition.** A checkpoint records the steps (their kind and the function's name) besides
-  the wrapped source's definition: a state written without them, or with other steps, is
-  refused. A function's code is not compared: changing what a function does between a
-  checkpoint and its resume is the user's to avoid.
+* **Definition.** A checkpoint records the steps (their kind, the function's name and a digest
+  of its code: :mod:`feeder.sources.functionid`) besides the wrapped source's definition: a
+  state written without them, or with other steps or functions of other code, is refused; a
+  function moved within its file (a comment added above a lambda) is the same function.
+* **Read-only columns.** The functions get read-only views of the columns (an ArraySource's
+  chunk is a view of the user's arrays, which later epochs read again): a write into one is an
+  ``InputValidationError`` naming the function, never a change to the data.
 
 Columns are numpy arrays, or for an input whose rows differ in length (``pad=``) whatever form
 such rows come in (a list of arrays, a ``Ragged``): a filter keeps their rows by row number, a map
@@ -50,7 +53,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
-from .base import ROW_KEY, SKIP, FilteredSink, SourceBinding, Transformable, definition_differences
+from .base import ROW_KEY, SKIP, STEP_KEYS, FilteredSink, SourceBinding, Transformable, definition_differences
+from .functionid import function_digest
 
 MAP, FILTER = "map", "filter"
 Step = Tuple[str, Callable[[Dict[str, np.ndarray]], Any]]
@@ -81,25 +85,38 @@ class _Take:
         self.one, self.get = state
 
 
+def _read_only(a: Any) -> Any:
+    """A numpy array as a read-only view of itself (the array itself when it is read-only already:
+    Arrow's buffers); other forms of rows (a list of rows, a Ragged) as they are."""
+    if isinstance(a, np.ndarray) and a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def _rows_of(a: Any, mask: np.ndarray) -> Any:
-    """The rows of column ``a`` that ``mask`` keeps: a numpy array by the mask, a list or tuple
-    of rows (rows of different lengths) row by row, anything else (a Ragged) by row numbers."""
+    """The rows of column ``a`` that ``mask`` keeps: a numpy array by the mask (read-only, as
+    the columns the steps get are), a list or tuple of rows (rows of different lengths) row by
+    row, anything else (a Ragged) by row numbers."""
     if isinstance(a, np.ndarray):
-        return a[mask]
+        kept = a[mask]
+        kept.flags.writeable = False
+        return kept
     keep = np.flatnonzero(mask)
     if isinstance(a, (list, tuple)):
         return [a[i] for i in keep.tolist()]
     return a[keep]
 
 
-def function_name(fn: Any) -> str:
-    """``module.qualname`` of a function (its file and line for a lambda), for messages and
-    definitions."""
+def function_name(fn: Any, where: bool = True) -> str:
+    """``module.qualname`` of a function, for messages (with ``where``, a lambda's file and line)
+    and definitions (without: a function is recorded by what it is, see
+    :mod:`feeder.sources.functionid`, never by where it sits)."""
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None) or type(fn).__module__
     name = f"{module}.{qual}" if module and module != "builtins" else qual
     code = getattr(fn, "__code__", None)
-    if "<lambda>" in qual and code is not None:
+    if where and "<lambda>" in qual and code is not None:
         name += f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
     return name
 
@@ -113,14 +130,22 @@ class TransformedSource(Transformable):
         steps: ``(kind, function)`` pairs, kind ``"map"`` or ``"filter"``, applied in order.
 
     Raises:
-        TypeError: A function that is not callable, a step of another kind, or a source whose
-            columns have no names (an ``ArraySource`` of a list of arrays).
+        TypeError: A source that is not one of ``feeder.sources`` (a plain fetch function), a
+            function that is not callable, a step of another kind, or a source whose columns have
+            no names (an ``ArraySource`` of a list of arrays).
     """
 
     def __init__(self, source: Any, steps: Sequence[Step]):
         if isinstance(source, TransformedSource):  # a chain is one wrapper, its steps in order
             steps = tuple(source.steps) + tuple(steps)
             source = source.wrapped
+        if not isinstance(source, Transformable):
+            # The steps see a chunk's columns by name and carry its row keys past the functions: what
+            # only the ready-made sources say. A plain fetch function transforms its chunks itself.
+            raise TypeError(f"TransformedSource wraps a source of feeder.sources (ArraySource, ParquetSource, "
+                            f"RayDataSource, or a map or filter of one: source.map(fn), source.filter(pred)), got "
+                            f"{type(source).__name__}; a fetch function of your own can apply fn to its chunks "
+                            f"itself")
         for kind, fn in steps:
             if kind not in (MAP, FILTER):
                 raise TypeError(f"a step is 'map' or 'filter', got {kind!r}")
@@ -143,6 +168,7 @@ class TransformedSource(Transformable):
         # steps], and (in a worker process) the keys filtered since the process last reported.
         self._figures: Dict[int, List[float]] = {}
         self._pending: Dict[int, List[np.ndarray]] = {}
+        self._codes: Optional[Dict[str, Optional[str]]] = None  # each step's code digest, once computed
 
     def _transformed(self, kind: str, fn: Any) -> "TransformedSource":
         return TransformedSource(self, ((kind, fn),))
@@ -168,14 +194,23 @@ class TransformedSource(Transformable):
         return getattr(self.source, "epochs", 1)
 
     # ---- what a state must match -------------------------------------------------------------
-    def _steps_definition(self) -> List[List[str]]:
-        return [[kind, function_name(fn)] for kind, fn in self.steps]
+    def _steps_definition(self) -> Dict[str, Any]:
+        """What a state records of the steps: ``transforms``, each step's kind and function name;
+        ``transforms_code``, a digest of each function's code (None for a callable that cannot
+        be inspected), computed once."""
+        codes = self._codes
+        if codes is None:
+            codes = self._codes = {f"step {i} ({kind} {function_name(fn, where=False)})": function_digest(fn)
+                                   for i, (kind, fn) in enumerate(self.steps, 1)}
+        return {"transforms": [[kind, function_name(fn, where=False)] for kind, fn in self.steps],
+                "transforms_code": dict(codes)}
 
     def feeder_definition(self) -> Dict[str, Any]:
-        """The wrapped source's definition, plus the steps (kind and function name)."""
+        """The wrapped source's definition, plus the steps (kind, function name and a digest of its
+        code: see :mod:`feeder.sources.functionid`)."""
         definition = getattr(self.source, "feeder_definition", None)
         inner = definition() if definition is not None else {}
-        return {**inner, "transforms": self._steps_definition()}
+        return {**inner, **self._steps_definition()}
 
     def _inner_state(self, state: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
         """``state`` as the wrapped source sees it (its definition without the steps), after a
@@ -185,8 +220,8 @@ class TransformedSource(Transformable):
         if not isinstance(state, Mapping) or not isinstance(state.get("definition"), Mapping):
             return dict(state) if isinstance(state, Mapping) else state
         definition = dict(state["definition"])
-        theirs = definition.pop("transforms", None)
-        diffs = definition_differences({"transforms": theirs}, {"transforms": self._steps_definition()})
+        theirs = {key: definition.pop(key) for key in STEP_KEYS if key in definition}
+        diffs = definition_differences(theirs, self._steps_definition(), depth=1)
         if diffs:
             raise ValueError("resume_from is the state of a different source definition; " + "; ".join(diffs))
         return {**state, "definition": definition}
@@ -198,6 +233,14 @@ class TransformedSource(Transformable):
         if self._maps:
             return None
         return list(self.source._transform_columns())
+
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        # Without a map, the wrapped source's columns, of which only the inputs are fed; with one,
+        # what the map makes is known at the first chunk.
+        if self._maps:
+            return None
+        inner = self.source._offered_columns()
+        return None if inner is None else (inner[0], False)
 
     def feeder_validate(self, input_names: Sequence[str], resume: Optional[Mapping[str, Any]]) -> None:
         """At registration: the wrapped source checks its columns (every one it reads, see the
@@ -318,7 +361,9 @@ class TransformedSource(Transformable):
                                "init_data_input_workers and start the coordinator")
         columns, take, keyed, steps = plan
         arrays = self.source(worker_id, batch_size)
-        cols: Dict[str, np.ndarray] = dict(zip(columns, arrays))
+        # Read-only views: a step may not change the source's data (an ArraySource's chunk is a view
+        # of the user's arrays), which later epochs read again; a write fails at once (see below).
+        cols: Dict[str, np.ndarray] = {name: _read_only(a) for name, a in zip(columns, arrays)}
         keys = arrays[-1] if keyed else None
         n = len(keys) if keys is not None else (len(arrays[0]) if len(arrays) else 0)
         figures = self._figures.get(worker_id)
@@ -351,10 +396,17 @@ class TransformedSource(Transformable):
                 if keys is not None:
                     keys = keys[mask]
                 n = kept
+        except ValueError as e:
+            if fn is not None and not isinstance(e, InputValidationError) and "read-only" in str(e):
+                raise InputValidationError(
+                    f"{function_name(fn)}, a step of {type(self.source).__name__}.{self._steps_text()}, wrote into a "
+                    f"column it was given ({e}): the columns map and filter functions get are read-only, so that a "
+                    f"function never changes the source's data (an ArraySource's arrays, which later epochs read "
+                    f"again). Make a new array (d['x'] = d['x'] + 1) or write into a copy (x = d['x'].copy())") from e
+            self._note(e, fn, worker_id)
+            raise
         except Exception as e:
-            if fn is not None and not isinstance(e, InputValidationError) and hasattr(e, "add_note"):
-                e.add_note(f"(raised in {function_name(fn)}, a step of {type(self.source).__name__}"
-                           f".{self._steps_text()}, worker {worker_id})")
+            self._note(e, fn, worker_id)
             raise
         finally:
             figures[1] += perf_counter() - t0
@@ -370,6 +422,11 @@ class TransformedSource(Transformable):
         if keys is not None:
             chunk.append(keys)
         return chunk
+
+    def _note(self, e: BaseException, fn: Any, worker_id: int) -> None:
+        if fn is not None and not isinstance(e, InputValidationError) and hasattr(e, "add_note"):
+            e.add_note(f"(raised in {function_name(fn)}, a step of {type(self.source).__name__}"
+                       f".{self._steps_text()}, worker {worker_id})")
 
     def _steps_text(self) -> str:
         return ".".join(f"{kind}({function_name(fn)})" for kind, fn in self.steps)

@@ -13,6 +13,11 @@ written into the slots the last draw freed (then at the end), a draw gathers ran
 arrays. So each row is copied twice on its way through (in, and out in its random place), and a
 unit can be read in its stored order (no copy) since the window does the shuffling.
 
+What a draw costs is proportional to the rows it draws, never to the rows held: the slots of the
+rows held are kept in a dense array (``_live``, in no order), a draw picks random places in it and
+fills the holes with the slots from its end (swap-remove), and freed slots go on a stack
+(``_free``) that the next unit fills. Draws are reproducible from the window's generator.
+
 An input whose rows differ in shape (a padded input's: a Parquet list column comes as a
 :class:`~feeder.ragged.Ragged`, or as a plain array when a unit's rows happen to agree) is held
 row by row, each row a view of what its unit read (no copy), and drawn as a Ragged: its values are
@@ -60,8 +65,10 @@ class ShuffleWindow:
         self.ended = False  # the worker's units are all read: hand out what is held, then stop
         self._rng = rng
         self._buffers: Optional[List[np.ndarray]] = None
-        self._size = 0                                # slots in use, holes included
-        self._free = np.zeros(0, dtype=np.int64)      # slots below _size that a draw emptied
+        self._size = 0                             # slots ever written (held or freed): the buffers' high mark
+        self._live = np.zeros(0, dtype=np.int64)   # _live[:rows]: the slot of each row held, in no order
+        self._free = np.zeros(0, dtype=np.int64)   # _free[:_nfree]: slots below _size a draw emptied (a stack)
+        self._nfree = 0
         self._by_row: Set[int] = set()  # inputs held row by row (rows of different shapes), see _rows
 
     def wants_more(self) -> bool:
@@ -72,22 +79,26 @@ class ShuffleWindow:
         if not n:
             return
         arrays = self._rows(arrays)
-        self._fit(arrays, self._size + max(0, n - len(self._free)))
+        f = min(n, self._nfree)
+        self._fit(arrays, self._size + n - f)
         bufs = self._buffers
         assert bufs is not None
-        f = min(n, len(self._free))
-        if f:
-            slots, self._free = self._free[:f], self._free[f:]
+        at = self.rows
+        if f:  # into the slots the last draws freed (the top of the stack)
+            slots = self._free[self._nfree - f:self._nfree].copy()
+            self._nfree -= f
             for b, a in zip(bufs, arrays):
                 rb, ra = _as_rows(b), _as_rows(a[:f])
                 if rb is not None and ra is not None and rb.dtype == ra.dtype:
                     rb[slots] = ra
                 else:
                     b[slots] = a[:f]
-        if f < n:
+            self._live[at:at + f] = slots
+        if f < n:  # the rest after the slots ever written
             end = self._size + n - f
             for b, a in zip(bufs, arrays):
                 b[self._size:end] = a[f:]
+            self._live[at + f:at + n] = np.arange(self._size, end, dtype=np.int64)
             self._size = end
         self.rows += n
 
@@ -116,6 +127,7 @@ class ShuffleWindow:
         if bufs is None:
             cap = max(size, self.capacity + len(arrays[0]))
             self._buffers = [np.empty((cap,) + a.shape[1:], dtype=a.dtype) for a in arrays]
+            self._fit_slots()
             return
         for j, (b, a) in enumerate(zip(bufs, arrays)):
             if a.shape[1:] != b.shape[1:]:
@@ -126,20 +138,39 @@ class ShuffleWindow:
                 grown = np.empty((max(size, 2 * len(b)),) + b.shape[1:], dtype=dtype)
                 grown[:self._size] = b[:self._size]
                 bufs[j] = grown
+        self._fit_slots()
+
+    def _fit_slots(self) -> None:
+        """The slot arrays as long as the buffers (rows held and slots freed never exceed them)."""
+        assert self._buffers is not None
+        cap = len(self._buffers[0])
+        if len(self._live) < cap:
+            live = np.empty(cap, dtype=np.int64)
+            live[:self.rows] = self._live[:self.rows]
+            free = np.empty(cap, dtype=np.int64)
+            free[:self._nfree] = self._free[:self._nfree]
+            self._live, self._free = live, free
 
     def take(self, k: int) -> List[Any]:
         """``k`` rows (fewer if fewer are held) drawn at random, in random order, as new arrays
-        (a Ragged for an input held row by row); they leave the window."""
+        (a Ragged for an input held row by row); they leave the window. Costs O(k), whatever
+        the rows held."""
         bufs = self._buffers
         k = min(int(k), self.rows)
         if bufs is None or not k:
             return []
-        pick = self._rng.choice(self.rows, size=k, replace=False)  # in random order: the chunk's order
-        if len(self._free):
-            live = np.delete(np.arange(self._size, dtype=np.int64), self._free)
-            slots = live[pick]
-        else:
-            slots = pick.astype(np.int64, copy=False)
+        rows = self.rows
+        # k distinct places among the rows held, in random order (the chunk's order); numpy draws
+        # them in O(k) (Floyd's algorithm, or a tail shuffle of at most 50 k places).
+        pick = self._rng.choice(rows, size=k, replace=False)
+        live = self._live
+        slots = live[pick]
+        # Swap-remove: the rows held beyond rows - k fill the places picked below it.
+        cut = rows - k
+        tail = np.ones(k, dtype=bool)
+        tail[pick[pick >= cut] - cut] = False  # places at the end that were picked themselves
+        live[pick[pick < cut]] = live[cut + np.flatnonzero(tail)]
+        self.rows = cut
         out: List[Any] = []
         for b in bufs:
             rb = _as_rows(b)
@@ -147,14 +178,17 @@ class ShuffleWindow:
                        np.take(rb, slots).view(b.dtype).reshape((k,) + b.shape[1:]))
         for j in self._by_row:
             out[j] = Ragged.from_rows(list(out[j]))
-        self.rows -= k
+            bufs[j][slots] = None  # the window no longer holds those rows (nor the chunks they are views of)
         if self.rows:
-            self._free = np.concatenate([self._free, slots])
+            self._free[self._nfree:self._nfree + k] = slots
+            self._nfree += k
         else:
-            self._size, self._free = 0, np.zeros(0, dtype=np.int64)
+            self._size = self._nfree = 0
         return out
 
     def clear(self) -> None:
         self._buffers, self._size, self.rows = None, 0, 0
         self._by_row = set()
+        self._live = np.zeros(0, dtype=np.int64)
         self._free = np.zeros(0, dtype=np.int64)
+        self._nfree = 0
