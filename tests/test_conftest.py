@@ -187,3 +187,25 @@ def test_part_of_the_suite_passes_in_the_background_while_other_programs_make_sh
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
     assert re.search(r"\b6 passed", run.stdout), run.stdout[-2000:]
+
+
+def collected(*args: str) -> list:
+    """The node ids a pytest run with ``args`` would run (--collect-only)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+@pytest.mark.slow  # five pytest runs
+def test_the_plain_run_leaves_the_slow_tests_out_and_every_other_way_runs_them():
+    """The README's command is the plain run (issue 35: about 3 minutes on 2 cores); .ci/run runs
+    the slow tests with -m slow; --slow runs everything; a slow test named by its id runs."""
+    slow = "tests/test_tuning.py::test_auto_climbs_for_a_fetch_slower_than_the_window"
+    quick = "tests/test_tuning.py::test_auto_settles_on_more_fetchers_for_a_sleeping_fetch"
+    plain = collected("tests/test_tuning.py")
+    assert quick in plain and slow not in plain
+    assert slow in collected("tests/test_tuning.py", "--slow") and quick in collected("tests/test_tuning.py", "--slow")
+    assert collected("tests/test_tuning.py", "-m", "slow") == [slow]
+    assert collected(slow) == [slow]
