@@ -177,8 +177,7 @@ def test_part_of_the_suite_passes_in_the_background_while_other_programs_make_sh
     pytest started as a shell starts a background job: with SIGINT ignored, which the programs
     that the Ctrl-C test starts inherited (they then never saw their Ctrl-C)."""
     tests = ["test_lambdas_and_closures_run_in_processes",
-             "test_multiprocessing_objects_held_by_fetch_fun_travel_as_multiprocessing_sends_them",
-             "test_a_chunk_of_one_batch_reaches_the_consumer_without_a_copy",
+             "(test_multiprocessing_objects_held_by_fetch_fun_travel_as_multiprocessing_sends_them and forkserver)",
              "test_ctrl_c_gives_one_keyboard_interrupt"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
@@ -186,7 +185,7 @@ def test_part_of_the_suite_passes_in_the_background_while_other_programs_make_sh
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
-    assert re.search(r"\b6 passed", run.stdout), run.stdout[-2000:]
+    assert re.search(r"\b3 passed", run.stdout), run.stdout[-2000:]
 
 
 def collected(*args: str) -> list:

@@ -177,6 +177,7 @@ def test_property_every_row_exactly_once(workers, sizes, chunks, batch_size, las
 
 
 # Fewer examples: each starts processes (the data path after the processes is the threads' one).
+@pytest.mark.slow  # 30 examples, each starting processes
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**PROPERTY)
 def test_property_every_row_exactly_once_with_processes(workers, sizes, chunks, batch_size, last_batch, ordered,

@@ -301,6 +301,7 @@ def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
         assert gone(pid)
 
 
+@pytest.mark.slow  # 40 rounds of a race, each starting a process
 def test_consumers_timing_out_together_never_harm_a_worker_process():
     """Issue 26, item 20: several consumers timing out at once crashed the worker process with
     SIGSEGV (4 consumers: 3 runs in 40) and failed the source for good: one consumer's stack
@@ -958,6 +959,7 @@ def test_ctrl_c_while_children_start_gives_one_keyboard_interrupt_and_no_child_t
     assert err.count("Traceback") == 1, err
 
 
+@pytest.mark.slow  # eleven starts of children that take a second to start
 def test_a_stop_while_children_start_prints_no_traceback(tmp_path):
     """Issue 26, item 23: a stop while a worker process still started printed its tracebacks.
     Here a source that failed (the receivers of its other processes stopped reading at stop and
