@@ -9,11 +9,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 from multiprocessing import shared_memory
 
 import pytest
 
 import feeder
+from feeder.processes import parent, shm
 
 # A shell's background job (`pytest ... &` in a script, nohup) starts with SIGINT ignored, and the
 # programs the Ctrl-C tests start would inherit that and never see their Ctrl-C: a handler here
@@ -45,7 +47,9 @@ def no_thread_left_behind():
 # that only this test session's own objects carry:
 # - feeder's segments: anonymous memory files ("memfd:feeder-slot-3", feeder.processes.shm) with no
 #   name in /dev/shm; one leaks by staying mapped or open in *this* process after the test (a view
-#   or descriptor the parent kept), which /proc/self/maps and /proc/self/fd show.
+#   or descriptor the parent kept). Its mappings are recorded where feeder makes them (map_fd, as
+#   feeder.processes.parent calls it: reading /proc/self/maps around every test cost 5 ms a test),
+#   its descriptors are those /proc/self/fd shows.
 # - multiprocessing's named semaphores (a Lock, Value or Queue of a "spawn" or "forkserver" context
 #   keeps its name in /dev/shm until it is garbage). multiprocessing names them "sem.mp-*" after
 #   its per-process "semprefix", which every process started by multiprocessing inherits from its
@@ -62,6 +66,10 @@ if _SESSION:
     multiprocessing.current_process()._config["semprefix"] = f"/mp-feedertests{os.getpid()}"
 SEM_PREFIX = multiprocessing.current_process()._config["semprefix"]
 _started_pids = {os.getpid()}  # this process and the processes it started with multiprocessing
+_mapped: list = []  # (serial, segment, weak reference to the mapping) of feeder's mappings in this process
+_mapped_lock = threading.Lock()
+_mapped_serial = [0]
+_map_fd = shm.map_fd
 _made_segments: set = set()
 _make_filename = shared_memory._make_filename
 _start = multiprocessing.process.BaseProcess.start
@@ -78,29 +86,45 @@ def _recorded_start(self):
     _started_pids.add(self.pid)
 
 
+def _recorded_map_fd(fd, size, *, close=True):
+    try:
+        segment = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        segment = f"segment of fd {fd}"
+    mem = _map_fd(fd, size, close=close)
+    try:
+        ref = weakref.ref(mem)
+    except TypeError:  # pragma: no cover - the mmap.mmap fallback (no C library mmap)
+        return mem
+    with _mapped_lock:
+        _mapped_serial[0] += 1
+        _mapped.append((_mapped_serial[0], segment, ref))
+    return mem
+
+
 if _SESSION:
     shared_memory._make_filename = _recorded_make_filename
     multiprocessing.process.BaseProcess.start = _recorded_start
+    for _module in (shm, parent):  # every module of feeder that maps segments in the parent
+        assert _module.map_fd is _map_fd
+        _module.map_fd = _recorded_map_fd
 
 
 def _feeder_memory():
-    """feeder's segments mapped or open in this process: {(where, inode, name)}, where is a mapping's
-    address range or a descriptor (the inode tells a new segment from an old one in the same place)."""
-    found = set()
+    """feeder's segments mapped or open in this process: {(serial or descriptor, name)} (the serial
+    tells a new mapping from an old one; the inode a new descriptor from an old one in its place)."""
+    with _mapped_lock:
+        _mapped[:] = [m for m in _mapped if m[2]() is not None]
+        found = {(serial, segment) for serial, segment, _ in _mapped}
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "/memfd:feeder" in line:
-                    fields = line.split(maxsplit=5)
-                    found.add((fields[0], fields[4], fields[-1].strip()))
         for fd in os.listdir("/proc/self/fd"):
             try:
                 target = os.readlink(f"/proc/self/fd/{fd}")
                 if target.startswith("/memfd:feeder"):
-                    found.add((f"fd {fd}", str(os.stat(f"/proc/self/fd/{fd}").st_ino), target))
+                    found.add((f"fd {fd}, inode {os.stat(f'/proc/self/fd/{fd}').st_ino}", target))
             except OSError:  # closed meanwhile (the listing's own descriptor, another thread's)
                 continue
-    except OSError:  # no /proc (not Linux): nothing to check
+    except OSError:  # no /proc (not Linux): no descriptors to check
         pass
     return found
 
@@ -128,7 +152,9 @@ class SegmentWatch:
         deadline = time.monotonic() + wait
         collected = False
         while True:
-            left = (suite_shm_entries() - self.named) | {f"{n} ({w})" for w, _, n in _feeder_memory() - self.feeder}
+            feeder_left = _feeder_memory() - self.feeder
+            left = (suite_shm_entries() - self.named) | \
+                {f"{n} ({'mapped' if isinstance(w, int) else w})" for w, n in feeder_left}
             if not left:
                 return left
             if not collected:
