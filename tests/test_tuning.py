@@ -143,6 +143,7 @@ def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     assert max(seen) <= 4, feed._tuner.decisions
 
 
+@pytest.mark.slow  # 2.5 s of the tuner at work
 def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(coord):
     """Parked fetchers are no fetchers: with all 8 ids in the wall time and the CPU share
     multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine, "in fetch_fun
