@@ -97,6 +97,7 @@ def test_a_failing_configuration_is_reported_not_raised():
     assert "error:" in bench.format_table([results[0], bad])
 
 
+@pytest.mark.slow  # the command end to end: six timed configurations
 def test_feeder_bench_command_with_a_model(module_dir):
     (module_dir / "tiny.onnx").write_bytes(linear_model(in_dim=4, out_dim=3))
     cmd = [sys.executable, "-m", "feeder", "bench", "bench_fetch_mod:fetch", "--model", "tiny.onnx",

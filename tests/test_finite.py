@@ -177,6 +177,7 @@ def test_property_every_row_exactly_once(workers, sizes, chunks, batch_size, las
 
 
 # Fewer examples: each starts processes (the data path after the processes is the threads' one).
+@pytest.mark.slow  # 30 examples, each starting processes
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**PROPERTY)
 def test_property_every_row_exactly_once_with_processes(workers, sizes, chunks, batch_size, last_batch, ordered,
@@ -254,6 +255,7 @@ def test_rows_held_by_coalescing_fetchers_are_accounted_for_at_stop(coord, mode)
     assert m["source_rows_buffered"] == 0
 
 
+@pytest.mark.slow  # a race, widened and run for seconds
 @pytest.mark.parametrize("consumers", [4])
 def test_many_consumer_threads_never_see_a_false_ledger_error(consumers):
     """Issue 9, defect 5: a consumer popped a batch and counted it as delivered only afterwards,
@@ -318,6 +320,7 @@ def test_stop_from_another_thread_while_a_consumer_iterates_never_sees_a_false_l
         sys.setswitchinterval(old)
 
 
+@pytest.mark.slow  # a rebatch step of over 2 s, by construction
 def test_stop_while_a_consumer_rebatches_for_longer_than_stop_waits_books_every_row():
     """Issue 26, item 23: a consumer that found nothing ready rebatches the source's chunks itself,
     under the feed's pump lock, and a step of it may take long (a very large batch, a cold

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -288,11 +289,18 @@ def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
     coord.start()
     feed = coord.feed("train")
     pids = child_pids(feed)
-    with pytest.raises(feeder.FeedTimeout) as info:
-        feed.next_batch(timeout=1.2)
-    msg = str(info.value)
-    for w in (0, 1):
-        assert f"worker {w} in fetch_fun for" in msg
+    # A process's stack shows once it has been in fetch_fun for a second (and answers within the
+    # timeout's tenth of a second): on a loaded machine the processes may take longer than the
+    # timeout to start, so the stack may show only in a later timeout of the same hang.
+    deadline = time.monotonic() + 30
+    while True:
+        with pytest.raises(feeder.FeedTimeout) as info:
+            feed.next_batch(timeout=1.2)
+        msg = str(info.value)
+        for w in (0, 1):
+            assert f"worker {w} in fetch_fun for" in msg
+        if "time.sleep(3600)" in msg or time.monotonic() > deadline:
+            break
     assert "time.sleep(3600)" in msg and "process pid" in msg, msg
     t0 = time.monotonic()
     assert coord.stop() is True
@@ -301,6 +309,7 @@ def test_a_hung_process_shows_its_stack_and_stop_ends_it(coord):
         assert gone(pid)
 
 
+@pytest.mark.slow  # 40 rounds of a race, each starting a process
 def test_consumers_timing_out_together_never_harm_a_worker_process():
     """Issue 26, item 20: several consumers timing out at once crashed the worker process with
     SIGSEGV (4 consumers: 3 runs in 40) and failed the source for good: one consumer's stack
@@ -465,6 +474,13 @@ def test_children_exit_by_themselves_when_the_parent_is_killed():
         proc.communicate()
 
 
+def keyboard_interrupts(err: str) -> int:
+    """How many KeyboardInterrupts ``err`` reports: each traceback's last line (counting the word
+    anywhere counted a source line that a traceback quoted: feeder's own comment in _ctrl_c_held,
+    shown when the Ctrl-C came while start() held it, as it does on a loaded machine)."""
+    return len(re.findall(r"^KeyboardInterrupt\b", err, re.MULTILINE))
+
+
 def test_ctrl_c_gives_one_keyboard_interrupt():
     proc = spawn("""
         if __name__ == "__main__":
@@ -485,7 +501,7 @@ def test_ctrl_c_gives_one_keyboard_interrupt():
     finally:
         proc.kill()
     assert proc.returncode != 0
-    assert err.count("KeyboardInterrupt") == 1, err
+    assert keyboard_interrupts(err) == 1, err
     assert err.count("Traceback") == 1, err
 
 
@@ -530,6 +546,7 @@ def test_start_methods_by_name_and_as_a_context(coord, method):
     assert got == list(range(300))
 
 
+@pytest.mark.slow  # a process holding the GIL: stop() must wait its polite share, then SIGTERM
 def test_a_process_stuck_in_c_code_holding_the_gil_still_shows_its_stack(coord):
     register(coord, utils.regex_forever, 4, num_worker_processes=1)
     coord.start()
@@ -689,6 +706,7 @@ def test_stop_releases_descriptors_and_mappings_without_the_garbage_collector():
     assert after == before, f"(descriptors, memfd mappings) before {before}, after 3 start/stop cycles {after}"
 
 
+@pytest.mark.slow  # a process holding the GIL: stop() must wait its polite share, then SIGTERM
 def test_a_feed_timeout_is_not_overrun_while_a_process_holds_the_gil_in_c(coord):
     register(coord, utils.regex_forever, 4, num_worker_processes=1)
     coord.start()
@@ -954,10 +972,11 @@ def test_ctrl_c_while_children_start_gives_one_keyboard_interrupt_and_no_child_t
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert err.count("KeyboardInterrupt") == 1, err
+    assert keyboard_interrupts(err) == 1, err
     assert err.count("Traceback") == 1, err
 
 
+@pytest.mark.slow  # eleven starts of children that take a second to start
 def test_a_stop_while_children_start_prints_no_traceback(tmp_path):
     """Issue 26, item 23: a stop while a worker process still started printed its tracebacks.
     Here a source that failed (the receivers of its other processes stopped reading at stop and

@@ -346,6 +346,7 @@ def test_transient_and_permanent_failures_are_told_apart():
     assert all(0.05 <= w <= 5.0 for w in waits) and waits[-1] >= 2.5
 
 
+@pytest.mark.slow  # 24 requests of 0.1 s one at a time, to time against
 # ---- latency hidden: readahead -----------------------------------------------------------------------------
 def test_readahead_keeps_many_requests_in_flight_and_its_threads_end_at_stop(s3):
     server, fs, bucket = s3
@@ -688,6 +689,7 @@ def test_the_command_line_reads_and_writes_s3_with_an_endpoint(s3, tmp_path):
     assert bad.returncode == 2 and "an S3 endpoint is an http:// or https:// URL" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow  # the example end to end
 def test_the_object_store_example_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "object_store.py"), "--rows", "20000"],

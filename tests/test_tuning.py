@@ -58,7 +58,9 @@ def contended_fetch(worker_id, batch_size):
             _CALLERS[0] -= 1
 
 
-def run_auto(coord, fetch, seconds, **options):
+def run_auto(coord, fetch, seconds, until=None, **options):
+    """Consume for ``seconds``, or, with ``until``, until ``until(seen)`` holds (at most ``seconds``:
+    a deadline with room for a loaded machine); ``seen``: the active fetchers at each batch."""
     feeder.init_data_input_workers(None, ["x"], fetch, 64, num_worker_threads="auto", coordinator=coord,
                                    timeout=10, **options)
     coord.start()
@@ -69,11 +71,13 @@ def run_auto(coord, fetch, seconds, **options):
     while time.monotonic() < end:
         feed.next_batch()
         seen.append(feed.stats.active_workers())
+        if until is not None and until(seen):
+            break
     return feed, seen
 
 
 def test_auto_settles_on_more_fetchers_for_a_sleeping_fetch(coord):
-    feed, seen = run_auto(coord, sleeping_fetch, 4.0)
+    feed, seen = run_auto(coord, sleeping_fetch, 20.0, until=lambda seen: max(seen) >= 5 and seen[-1] >= 4)
     assert seen[0] == 1 and max(seen) >= 5, feed._tuner.decisions
     assert feed.metrics()["active_workers"] >= 4
 
@@ -95,7 +99,8 @@ def test_a_slow_external_logger_does_not_hold_up_the_tuner(coord):
     "auto" at one fetcher (793 rows/s against 3,014 without it). It has a thread of its own."""
     slow = SlowLogger()
     try:
-        feed, seen = run_auto(coord, sleeping_fetch, 4.0, external_loggers=[slow], log_interval=0.05)
+        feed, seen = run_auto(coord, sleeping_fetch, 20.0, until=lambda seen: max(seen) >= 3, external_loggers=[slow],
+                              log_interval=0.05)
         assert slow.calls >= 1  # the logger was in its call all along
         # Frozen, the tuner never leaves 1 here; free, it reaches 5 or more in 4 s on a quiet machine.
         assert max(seen) >= 3, feed._tuner.decisions
@@ -108,6 +113,7 @@ def slower_than_a_window_fetch(worker_id, batch_size):
     return [np.ones((batch_size, 8), np.float32)]
 
 
+@pytest.mark.slow  # 8.5 s of the tuner at work
 def test_auto_climbs_for_a_fetch_slower_than_the_window(coord):
     """Most windows of 0.3 s delivered no batch and counted as "0 rows, no wait" (a wait was
     counted when its batch came): probes up failed, probes down held, and "auto" drifted down to
@@ -119,6 +125,7 @@ def test_auto_climbs_for_a_fetch_slower_than_the_window(coord):
     assert max(seen) >= 3 and seen[-1] >= 3, (seen, feed._tuner.decisions)
 
 
+@pytest.mark.slow  # 4 s of the tuner at work
 def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     """Fewer than an I/O-bound fetch gets (the test above: 6 of 8 in 4 s), and no climb to 8.
 
@@ -136,6 +143,7 @@ def test_auto_settles_on_fewer_fetchers_for_a_gil_bound_fetch(coord):
     assert max(seen) <= 4, feed._tuner.decisions
 
 
+@pytest.mark.slow  # 2.5 s of the tuner at work
 def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(coord):
     """Parked fetchers are no fetchers: with all 8 ids in the wall time and the CPU share
     multiplied by 8, one GIL-bound fetcher was "4.94 CPU cores" on a 2-core machine, "in fetch_fun
@@ -153,6 +161,7 @@ def test_diagnose_with_auto_counts_the_fetchers_that_ran_for_the_time_they_ran(c
         assert "holds the GIL" in text and "num_worker_processes=" in text, text
 
 
+@pytest.mark.slow  # 4 s of the tuner at work
 def test_auto_gives_back_fetchers_that_make_the_fetch_slower(coord):
     feed, seen = run_auto(coord, contended_fetch, 4.0)
     late = seen[len(seen) // 2:]

@@ -9,8 +9,10 @@ from typing import Callable
 import numpy as np
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Wait for a state that no Event announces (e.g. a queue filling up), bounded by ``timeout`` s."""
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Wait for a state that no Event announces (e.g. a queue filling up), bounded by ``timeout`` s
+    (a deadline, not a duration: it returns as soon as the state is there, and on a loaded 2-core
+    machine starting a worker process alone can take seconds; 5 s timed out there, issue 35)."""
     deadline = time.monotonic() + timeout
     tick = threading.Event()
     while not predicate():
