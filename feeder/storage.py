@@ -86,9 +86,10 @@ class Retry:
     """How transient storage failures are retried: up to ``attempts`` more tries, waiting
     ``backoff_s`` seconds before the first, doubled before each next one up to ``max_backoff_s``
     (each wait drawn at random between half and all of it, so that many readers do not retry in
-    step), and none that would start more than ``budget_s`` seconds after the first try began.
-    The defaults wait about 0.1 + 0.2 + 0.4 + 0.8 + 1.6 = 3.1 s at most over 5 retries; with
-    requests that hang until their time-out, the budget ends the retries."""
+    step), and none that would start more than ``budget_s`` seconds after the first failure (a
+    long transfer that fails late is still tried again). The defaults wait about 0.1 + 0.2 + 0.4
+    + 0.8 + 1.6 = 3.1 s at most over 5 retries; with requests that hang until their time-out, the
+    budget ends the retries."""
 
     attempts: int = 5
     backoff_s: float = 0.1
@@ -214,13 +215,13 @@ def retrying(fn: Callable[[], T], what: str, policy: Retry, on_retry: Optional[O
              worker: Optional[int] = None) -> T:
     """``fn()``, tried again after a transient failure (see :func:`is_transient`) up to
     ``policy.attempts`` times with exponential backoff, none starting later than
-    ``policy.budget_s`` seconds after the first try; each retry reported to ``on_retry`` and
+    ``policy.budget_s`` seconds after the first failure; each retry reported to ``on_retry`` and
     counted in ``counts`` (for ``worker``), and logged naming ``what``: the first failure that
     ``counts`` sees at WARNING, at once (a store that stopped answering is said before the
     retries run out), the others at DEBUG. The last failure, or a permanent one, is raised as it
     came. A set ``stop`` event ends the waiting (the last failure is raised)."""
     retry = 0
-    start = time.monotonic()
+    failed_at: Optional[float] = None
     while True:
         try:
             return fn()
@@ -228,7 +229,9 @@ def retrying(fn: Callable[[], T], what: str, policy: Retry, on_retry: Optional[O
             if retry >= policy.attempts or not is_transient(e):
                 raise
             wait = policy.wait_s(retry)
-            if time.monotonic() + wait - start > policy.budget_s:
+            now = time.monotonic()
+            failed_at = now if failed_at is None else failed_at
+            if now + wait - failed_at > policy.budget_s:
                 raise
             first = counts.retried(worker) if counts is not None else False
             text = " ".join(str(e).split())[:300]

@@ -386,7 +386,7 @@ def test_an_s3_uri_makes_one_attempt_per_request_and_feeder_retries_within_its_b
     assert info.value is not None
 
 
-def test_a_hung_request_ends_at_its_time_out_and_the_budget_ends_the_retries(s3):
+def test_a_hung_request_ends_at_its_time_out_and_is_retried_a_bounded_number_of_times(s3):
     server, fs, bucket = s3
     write_rows(fs, f"{bucket}/d/a.parquet", 0, 200)
     src = ParquetSource(f"s3://{bucket}/d/?request_timeout=0.5", retries=2, readahead=0)

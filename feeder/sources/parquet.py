@@ -110,9 +110,12 @@ class ParquetSource(ShardedSource):
     An object is named by its URI in states and messages. The footers of many objects are read
     concurrently when the source is created; transient failures of the store (time-outs,
     throttling, 5xx answers, connections reset) are retried ``retries`` times with exponential
-    backoff (0.1 s doubling, at most 5 s, about 3 s in all for 5), then the read fails as a fetch
-    error (which ``max_fetch_errors`` may tolerate); a missing object or access denied is not
-    retried. :meth:`feeder_counters` reports the retries. Reading from a store, the next
+    backoff (0.1 s doubling, at most 5 s, about 3 s in all for 5; none begun 10 s after the
+    first failure), then the read fails as a fetch error (which ``max_fetch_errors`` may tolerate); a
+    missing object or access denied is not retried (access denied and a missing bucket are said in
+    plain words). The first failure is logged at WARNING at once. An S3 filesystem made from an
+    ``s3://`` URI does not retry by itself (feeder's retries are the only ones) and gives up a
+    stalled request after 10 s. :meth:`feeder_counters` reports the retries. Reading from a store, the next
     ``readahead`` units of the sequence are taken ahead and read on up to 16 threads (named
     ``feeder:<source>:readahead-<k>``), adjacent row groups of one object in one request (up to
     8 MiB), so that many requests are in flight while the fetchers hand on what came back; what
@@ -141,9 +144,11 @@ class ParquetSource(ShardedSource):
     moved), for data copied between machines, whose time stamps do not survive. A file that
     changes after the source was created is a ValueError at ``start()`` or an
     InputValidationError at the first read of it, naming the file (an object in a store: when a
-    worker first opens it, with the one request that opens it). A file that is not Parquet
-    (or is truncated) is a ValueError naming it at creation, and an InputValidationError naming
-    it and the row group at a read.
+    worker first opens it, with the one request that opens it, or at the first read after it was
+    replaced, even by an object of the same size: each read is confirmed by a request begun after
+    it, shared by the reads of the object that end together, or by s3fs's ``If-Match``). A file
+    that is not Parquet (or is truncated) is a ValueError naming it at creation, and an
+    InputValidationError naming it and the row group at a read.
 
     Tabular data: an input may take a list of scalar columns, ``columns={"X": ["f0", "f1"]}``,
     stacked into one ``[N, k]`` input in that order (the output is allocated once and filled
