@@ -386,6 +386,19 @@ def test_an_s3_uri_makes_one_attempt_per_request_and_feeder_retries_within_its_b
     assert info.value is not None
 
 
+def test_a_read_while_every_request_fails_gives_up_after_feeders_retries_alone(s3):
+    server, fs, bucket = s3
+    write_rows(fs, f"{bucket}/d/a.parquet", 0, 200)
+    src = ParquetSource(f"s3://{bucket}/d/", readahead=0)
+    server.reset_log()
+    server.fault(status=503)
+    t0 = time.monotonic()
+    got, err = read_all(src)
+    took = time.monotonic() - t0
+    assert isinstance(err, FetchError) and not got and "503" in str(err.__cause__), err
+    assert server.count() == 6 and took < 3.1 + 3.0, (server.count(), took)  # 1 + 5 tries of one request
+
+
 def test_a_hung_request_ends_at_its_time_out_and_is_retried_a_bounded_number_of_times(s3):
     server, fs, bucket = s3
     write_rows(fs, f"{bucket}/d/a.parquet", 0, 200)
