@@ -328,7 +328,7 @@ def test_with_s3fs_an_object_replaced_during_a_pass_fails_its_if_match(s3, serve
     assert server.count("HEAD", key="a.parquet") <= 3, server.count("HEAD", key="a.parquet")
 
 
-def test_reads_of_an_unchanged_object_share_their_checks(s3):
+def test_reading_an_unchanged_object_costs_one_check_per_read_at_most(s3):
     server, fs, bucket = s3
     for i in range(2):
         write_rows(fs, f"{bucket}/d/f{i}.parquet", i * 1000, (i + 1) * 1000, row_group_size=25)
