@@ -381,8 +381,9 @@ class ParquetSource(ShardedSource):
         except Exception as e:
             if is_transient(e):
                 self._counts.gave_up(worker)
-                log.warning("ParquetSource: %s failed after %d retries: %s: %s", what, self._retry.attempts,
-                            type(e).__name__, " ".join(str(e).split())[:300])
+                log.warning("ParquetSource: %s failed after its retries (up to %d within %.0f s): %s: %s", what,
+                            self._retry.attempts, self._retry.budget_s, type(e).__name__,
+                            " ".join(str(e).split())[:300])
             plain = plain_error(e, uri) if uri is not None else None
             if plain is not None:
                 raise plain from e
