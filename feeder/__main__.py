@@ -35,10 +35,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if parsed.command == "predict":
         from .scoring import cli as predictcli
 
-        return predictcli.main(rest)
+        return _exit(predictcli.main(rest))
     from . import bench
 
     return bench.main(rest)
+
+
+def _exit(status: int) -> int:
+    """``status``, or, when a failed or interrupted command leaves feeder threads stuck in calls
+    to a store that stopped answering, the end of the process now with it (its output flushed):
+    otherwise the interpreter's exit would wait for those calls (pyarrow's S3 client finishes its
+    requests when it shuts down)."""
+    import threading
+
+    if status != 0 and any(t.is_alive() and t.name.startswith("feeder:") for t in threading.enumerate()):
+        import logging
+        import os
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -19,8 +19,15 @@ URI's query (``s3://bucket/key?endpoint_override=host:port&scheme=http``); pass 
 for anything else.
 
 Transient failures of a store (time-outs, throttling, 5xx answers, connections reset) are retried
-by :func:`retrying` with exponential backoff, a bounded number of times (:class:`Retry`); permanent
-ones (a missing object, access denied) are not. Each retry is logged at DEBUG.
+by :func:`retrying` with exponential backoff, a bounded number of times within a bounded time
+(:class:`Retry`); permanent ones (a missing object, access denied) are not. That is the one retry
+layer: the S3 filesystems feeder makes from a URI do not retry by themselves (their
+``retry_strategy`` makes one attempt) and give up a connection after :data:`CONNECT_TIMEOUT_S` and
+a request that stalls for :data:`REQUEST_TIMEOUT_S` (``?connect_timeout=``/``?request_timeout=``
+in the URI change them). The first failure a source or an output meets is logged at WARNING at
+once (naming the URI and the error), later retries at DEBUG. :func:`plain_error` words the
+failures a user must act on (access denied, a missing bucket, an endpoint that cannot be reached)
+in plain words, keeping the store's own as the cause.
 
 pyarrow is imported when a store is first used, never by ``import feeder``; fsspec only when an
 fsspec URI or filesystem is given. The library never opens a network socket by itself: only a
@@ -37,6 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from urllib.parse import parse_qsl, urlencode
 
 log = logging.getLogger("feeder")
 
@@ -65,6 +73,11 @@ PARQUET_SUFFIXES = (".parquet", ".parq")
 OBJECT_STORES = ("s3", "gcs", "abfs")
 _SCHEMES = {"s3": "s3", "gcs": "gs", "abfs": "abfs", "local": "file", "hdfs": "hdfs", "mock": "mock"}
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# The S3 filesystems feeder makes from a URI: seconds to connect, and seconds a request may stall
+# (no byte sent or received: the AWS SDK's low-speed limit, so a long transfer is never cut).
+CONNECT_TIMEOUT_S = 3.0
+REQUEST_TIMEOUT_S = 10.0
+_TIMEOUT_QUERY = ("connect_timeout", "request_timeout")  # ... and the URI's query parameters setting them
 
 
 # ---- retries ------------------------------------------------------------------------------------
@@ -73,11 +86,19 @@ class Retry:
     """How transient storage failures are retried: up to ``attempts`` more tries, waiting
     ``backoff_s`` seconds before the first, doubled before each next one up to ``max_backoff_s``
     (each wait drawn at random between half and all of it, so that many readers do not retry in
-    step). The defaults wait about 0.1 + 0.2 + 0.4 + 0.8 + 1.6 = 3.1 s at most over 5 retries."""
+    step), and none that would start more than ``budget_s`` seconds after the first failure (a
+    long transfer that fails late is still tried again). The defaults wait about 0.1 + 0.2 + 0.4
+    + 0.8 + 1.6 = 3.1 s at most over 5 retries; with requests that hang until their time-out, the
+    budget ends the retries."""
 
     attempts: int = 5
     backoff_s: float = 0.1
     max_backoff_s: float = 5.0
+    budget_s: float = 10.0
+
+    def about_s(self) -> float:
+        """The most the waits between tries add up to (seconds)."""
+        return float(sum(min(self.max_backoff_s, self.backoff_s * (2.0 ** k)) for k in range(self.attempts)))
 
     def wait_s(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0 for the first)."""
@@ -129,17 +150,78 @@ def is_io_failure(e: BaseException) -> bool:
     return is_transient(e) or bool(_PERMANENT.search(str(e))) or "AWS Error" in str(e)
 
 
+# Failures a user must act on, as pyarrow's AWS, GCS and Azure clients, fsspec drivers and curl word them.
+_DENIED = re.compile(
+    r"ACCESS_DENIED|AccessDenied|Access Denied|HTTP status 40[13]\b|InvalidAccessKeyId|INVALID_ACCESS_KEY_ID|"
+    r"SignatureDoesNotMatch|SIGNATURE_DOES_NOT_MATCH|ExpiredToken|EXPIRED_TOKEN|PERMISSION_DENIED|403 Forbidden|"
+    r"UNAUTHENTICATED|Unauthorized")
+_NO_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|[Bb]ucket does not exist|The specified bucket does not exist")
+_UNREACHABLE = re.compile(r"Could not connect|Couldn't connect|Could not resolve|Couldn't resolve|Connection refused|"
+                          r"Failed to connect|Cannot connect to host|Name or service not known")
+_CREDENTIALS = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), AWS_PROFILE, or the "
+                      "machine's role",
+                "gs": "GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or the machine's "
+                      "service account",
+                "abfs": "AZURE_STORAGE_ACCOUNT_NAME and its key, a SAS token, or the default Azure credential"}
+
+
+def _bucket_of(uri: str) -> str:
+    """The bucket (container) of an object store's URI: what follows ``scheme://`` up to ``/``."""
+    scheme, rest = split_uri(uri)
+    return rest.split("/", 1)[0].split("?", 1)[0] if scheme is not None else ""
+
+
+def plain_error(e: BaseException, uri: str) -> Optional[OSError]:
+    """A store's failure that the user must act on, in plain words naming ``uri`` (raise it from
+    ``e``, which stays its cause), or None when ``e`` is none of them:
+
+    * access denied, an unknown access key, a bad signature, an expired token: a PermissionError
+      saying that the credentials were refused or lack permission, and where they come from;
+    * a missing bucket: a FileNotFoundError saying that the bucket does not exist;
+    * an endpoint that cannot be reached (connection refused, a host that does not resolve): a
+      ConnectionError asking whether the endpoint is right (transient: it was retried first).
+    """
+    if getattr(e, "feeder_plain", False) or not isinstance(e, OSError) and not is_io_failure(e):
+        return None
+    text = " ".join(str(e).split())
+    said = text if len(text) <= 300 else text[:297] + "..."
+    scheme = split_uri(uri)[0] or ""
+    out: OSError
+    if _NO_BUCKET.search(text):
+        out = FileNotFoundError(f"the bucket {_bucket_of(uri)!r} does not exist ({uri!r}): check its name, the "
+                                f"account and the endpoint (the store said: {said})")
+    elif isinstance(e, PermissionError) or _DENIED.search(text):
+        where = _CREDENTIALS.get({"gcs": "gs", "s3a": "s3", "az": "abfs"}.get(scheme, scheme),
+                                 "the filesystem's credentials")
+        out = PermissionError(f"access denied to {uri!r}: the store refused the credentials, or they lack the "
+                              f"permission for it; check the credentials ({where}) and the bucket's permissions "
+                              f"(the store said: {said})")
+    elif _UNREACHABLE.search(text):
+        out = ConnectionError(f"cannot reach the store of {uri!r}: is the endpoint right and the server up? (the "
+                              f"store's client said: {said})")
+    else:
+        return None
+    marked: Any = out
+    marked.feeder_plain = True  # already in plain words: not worded again, its cause not repeated
+    return out
+
+
 # on_retry(exception, retry number (0 for the first), seconds it waits before trying again)
 OnRetry = Callable[[BaseException, int, float], None]
 
 
 def retrying(fn: Callable[[], T], what: str, policy: Retry, on_retry: Optional[OnRetry] = None,
-             stop: Optional[threading.Event] = None) -> T:
+             stop: Optional[threading.Event] = None, counts: Optional["RetryCounts"] = None,
+             worker: Optional[int] = None) -> T:
     """``fn()``, tried again after a transient failure (see :func:`is_transient`) up to
-    ``policy.attempts`` times with exponential backoff; each retry logged at DEBUG (naming
-    ``what``) and reported to ``on_retry``. The last failure, or a permanent one, is raised as it
+    ``policy.attempts`` times with exponential backoff, none starting later than
+    ``policy.budget_s`` seconds after the first failure; each retry reported to ``on_retry`` and
+    counted in ``counts`` (for ``worker``), and logged naming ``what``: the first failure that
+    ``counts`` sees at WARNING, at once (a store that stopped answering is said before the
+    retries run out), the others at DEBUG. The last failure, or a permanent one, is raised as it
     came. A set ``stop`` event ends the waiting (the last failure is raised)."""
     retry = 0
+    failed_at: Optional[float] = None
     while True:
         try:
             return fn()
@@ -147,8 +229,18 @@ def retrying(fn: Callable[[], T], what: str, policy: Retry, on_retry: Optional[O
             if retry >= policy.attempts or not is_transient(e):
                 raise
             wait = policy.wait_s(retry)
-            log.debug("feeder: %s failed (%s: %s); retry %d of %d in %.2f s", what, type(e).__name__,
-                      " ".join(str(e).split())[:300], retry + 1, policy.attempts, wait)
+            now = time.monotonic()
+            failed_at = now if failed_at is None else failed_at
+            if now + wait - failed_at > policy.budget_s:
+                raise
+            first = counts.retried(worker) if counts is not None else False
+            text = " ".join(str(e).split())[:300]
+            if first:
+                log.warning("feeder: %s failed (%s: %s); retrying up to %d times within %.0f s (further retries "
+                            "are logged at DEBUG)", what, type(e).__name__, text, policy.attempts, policy.budget_s)
+            else:
+                log.debug("feeder: %s failed (%s: %s); retry %d of %d in %.2f s", what, type(e).__name__, text,
+                          retry + 1, policy.attempts, wait)
             if on_retry is not None:
                 on_retry(e, retry, wait)
             if stop is not None:
@@ -168,9 +260,12 @@ class RetryCounts:
         self.retries: Dict[Optional[int], int] = {}
         self.exhausted: Dict[Optional[int], int] = {}
 
-    def retried(self, worker: Optional[int]) -> None:
+    def retried(self, worker: Optional[int]) -> bool:
+        """Count a retry; True for the first these counts have seen."""
         with self._lock:
+            first = not self.retries
             self.retries[worker] = self.retries.get(worker, 0) + 1
+            return first
 
     def gave_up(self, worker: Optional[int]) -> None:
         with self._lock:
@@ -230,6 +325,41 @@ def map_bounded(fn: Callable[[T], R], items: Sequence[T], workers: int, name: st
     return results
 
 
+class SharedCheck:
+    """Checks shared by the callers that each need one begun after they asked (that an object is
+    still the version a read got, say): a caller waits for the next check of its key to begin and
+    end, at most one runs per key at a time, and every caller that asked while one ran shares the
+    next. So N reads of one object that end together cost one request, not N; each waits for
+    at most two checks."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._keys: Dict[Any, List[Any]] = {}  # key -> [checks begun, checks ended, one running, last result]
+
+    def check(self, key: Any, fn: Callable[[], T]) -> T:
+        """The result of a call of ``fn`` begun after this call began (``fn`` should return its
+        failures as values: they are handed to every caller sharing it)."""
+        with self._cond:
+            st = self._keys.setdefault(key, [0, 0, False, None])
+            mine = st[0] + 1  # the first check that begins from now on
+            while st[1] < mine:
+                if st[2]:
+                    self._cond.wait(0.05)
+                    continue
+                st[0] += 1
+                st[2] = True
+                self._cond.release()
+                try:
+                    result = fn()
+                finally:
+                    self._cond.acquire()
+                    st[2] = False
+                    self._cond.notify_all()
+                st[1] = st[0]
+                st[3] = result
+            return st[3]  # type: ignore[no-any-return]
+
+
 # ---- stores -------------------------------------------------------------------------------------
 class Store:
     """Where files live, and the few operations feeder needs of them. ``uri(path)`` names a file
@@ -260,14 +390,30 @@ class LocalStore(Store):
         return "LocalStore()"
 
 
+@dataclass
+class Opened:
+    """An object opened for reading: its handle (a ``pyarrow.NativeFile``), its size in bytes and
+    version as the opening request gave them, and whether every read through the handle is
+    checked against that version by the store itself (``pinned``: s3fs sends ``If-Match`` with the
+    ETag on each ranged GET, so a replaced object fails the read instead of being read)."""
+
+    handle: Any
+    size: int
+    version: str
+    pinned: bool = False
+
+
 class FileSystemStore(Store):
     """A ``pyarrow.fs.FileSystem`` (possibly wrapping an fsspec one, kept as ``fsspec`` for the
-    versions its ``info`` gives) and the URI scheme its paths are named with."""
+    versions its ``info`` gives) and the URI scheme its paths are named with. ``built``: the
+    options of an S3 filesystem feeder made from a URI, so that a copy in a worker process is
+    made the same way (pyarrow's pickling forgets the retry strategy)."""
 
-    def __init__(self, fs: Any, scheme: str, fsspec: Any = None):
+    def __init__(self, fs: Any, scheme: str, fsspec: Any = None, built: Optional[Dict[str, Any]] = None):
         self.fs = fs
         self.scheme = scheme
         self.fsspec = fsspec
+        self.built = built
         self.object_store = fs.type_name in OBJECT_STORES or (fsspec is not None and scheme in ("s3", "s3a", "gs",
                                                                                                 "gcs", "az", "abfs"))
 
@@ -279,6 +425,17 @@ class FileSystemStore(Store):
 
     def __repr__(self) -> str:
         return f"FileSystemStore({self.scheme}://)"
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.built is not None:
+            state["fs"] = None  # made again from its options where it is unpickled
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.fs is None and self.built is not None:
+            self.fs = _s3_with(self.built)
 
     def uri(self, path: str) -> str:
         if self.fsspec is not None:
@@ -292,34 +449,110 @@ class FileSystemStore(Store):
 
     # -- reading --
     def info(self, path: str) -> Any:
+        if self.fsspec is not None:
+            self._refresh(path)
         return self.fs.get_file_info(path)
 
-    def list_parquet(self, root: str) -> List[Tuple[str, str]]:
-        """(path, URI) of the Parquet files at ``root``: the object itself, or every ``.parquet``
-        and ``.parq`` object under it (recursively, sorted by path)."""
+    def _refresh(self, path: str) -> None:
+        """Forget what an fsspec driver cached of ``path`` (s3fs answers ``info`` from its listing
+        cache: a replaced object would keep its old ETag there)."""
+        invalidate = getattr(self.fsspec, "invalidate_cache", None)
+        if invalidate is not None:
+            try:
+                invalidate(path)
+            except Exception:  # a driver without a cache of that path
+                pass
+
+    def _fsspec_info(self, path: str) -> Dict[str, Any]:
+        self._refresh(path)
+        return dict(self.fsspec.info(path))
+
+    def list_parquet(self, root: str) -> List[Tuple[str, str, Optional[Opened]]]:
+        """(path, URI, the object opened or None) of the Parquet files at ``root``: the object
+        itself, or every ``.parquet`` and ``.parq`` object under it (recursively, sorted by path).
+        A root named like a Parquet file is opened at once (one request, which also gives its
+        size and version, handed on); a folder so named is listed after that request found no
+        object."""
         pafs = _pafs()
         root = root.rstrip("/") or root
+        if root.endswith(PARQUET_SUFFIXES):
+            try:
+                opened = self.open_versioned(root)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+            except OSError as e:
+                if not re.search(r"[Nn]ot a file|is a directory|[Dd]irectory|does not exist|NOT_FOUND|NoSuchKey",
+                                 str(e)):
+                    raise
+            else:
+                return [(root, self.uri(root), opened)]
         info = self.info(root)
         if info.type == pafs.FileType.File:
-            return [(root, self.uri(root))]
+            return [(root, self.uri(root), None)]
         if info.type == pafs.FileType.Directory:
             infos = self.fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
             found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(PARQUET_SUFFIXES))
             if not found:
                 raise ValueError(f"directory {self.uri(root)!r} holds no .parquet files")
-            return [(p, self.uri(p)) for p in found]
+            return [(p, self.uri(p), None) for p in found]
+        bucket = self.missing_bucket(root)
+        if bucket is not None:
+            raise FileNotFoundError(f"no such Parquet file or directory: {self.uri(root)!r}: the bucket {bucket!r} "
+                                    f"does not exist")
         raise FileNotFoundError(f"no such Parquet file or directory: {self.uri(root)!r}")
+
+    def missing_bucket(self, path: str) -> Optional[str]:
+        """The bucket of ``path`` when this is an object store and the bucket does not exist
+        (one request); None otherwise, or when the store cannot tell."""
+        if not self.object_store:
+            return None
+        bucket = path.lstrip("/").split("/", 1)[0]
+        if not bucket:
+            return None
+        try:
+            found = self.info(bucket).type != _pafs().FileType.NotFound
+        except Exception as e:
+            return bucket if _NO_BUCKET.search(str(e)) else None
+        return None if found else bucket
 
     def open_input(self, path: str) -> Any:
         """A random-access file (``pyarrow.NativeFile``); on object stores its ``ReadAt`` may be
         called from several threads at once (each a ranged GET)."""
-        return self.fs.open_input_file(path)
+        return self.open_versioned(path).handle
+
+    def open_versioned(self, path: str) -> Opened:
+        """The object opened, with its size and version from the request that opened it (on S3
+        one HEAD); for an fsspec driver, after forgetting what it cached of it."""
+        if self.fsspec is not None:
+            self._refresh(path)
+            f = self.fsspec.open(path, mode="rb")
+            try:
+                details = getattr(f, "details", None)
+                if not isinstance(details, dict) or "size" not in details:
+                    details = dict(self.fsspec.info(path))
+                if details.get("type", "file") != "file":
+                    raise IsADirectoryError(f"{self.uri(path)!r} is not a file")
+                read_kw = getattr(f, "read_kw", None)
+                pinned = (isinstance(read_kw, dict) and bool(read_kw.get("IfMatch"))) or \
+                    bool(getattr(f, "version_id", None)) or \
+                    (bool(getattr(self.fsspec, "local_expiry_check", False)) and "ETag" in details)
+                return Opened(_pa().PythonFile(f, mode="r"), int(details["size"]), _fsspec_version(details), pinned)
+            except BaseException:
+                f.close()
+                raise
+        handle = self.fs.open_input_file(path)
+        try:
+            return Opened(handle, int(handle.size()), self.version_of(path, handle))
+        except BaseException:
+            handle.close()
+            raise
 
     def version_of(self, path: str, handle: Any = None) -> str:
         """The object's version: ``etag:<ETag>``, ``generation:<n>``, else ``mtime_ns:<ns>`` (or
-        ``mtime:<text>`` as an fsspec driver gives it); ``none:`` when the store tells nothing."""
+        ``mtime:<text>`` as an fsspec driver gives it); ``none:`` when the store tells nothing.
+        For an fsspec driver, asked afresh (not from its cache)."""
         if self.fsspec is not None:
-            return _fsspec_version(self.fsspec.info(path))
+            return _fsspec_version(self._fsspec_info(path))
         if handle is not None:
             got = _metadata_version(handle)
             if got is not None:
@@ -329,13 +562,13 @@ class FileSystemStore(Store):
         return f"mtime_ns:{int(mtime)}" if mtime is not None else "none:"
 
     def stat(self, path: str) -> Tuple[int, str]:
-        """(size in bytes, version) of a file. On S3 one HEAD request."""
+        """(size in bytes, version) of a file, asked afresh. On S3 one HEAD request."""
         if self.fsspec is not None:
-            info = self.fsspec.info(path)
+            info = self._fsspec_info(path)
             if info.get("type") != "file":
                 raise FileNotFoundError(f"no such file: {self.uri(path)!r}")
             return int(info["size"]), _fsspec_version(info)
-        f = self.open_input(path)
+        f = self.fs.open_input_file(path)
         try:
             return int(f.size()), self.version_of(path, f)
         finally:
@@ -400,6 +633,11 @@ def _pafs() -> Any:
     return pafs
 
 
+def _pa() -> Any:
+    import pyarrow
+    return pyarrow
+
+
 def _metadata_version(handle: Any) -> Optional[str]:
     try:
         meta = handle.metadata()
@@ -449,9 +687,17 @@ def _strip_query(uri: str) -> str:
     return uri.split("?", 1)[0]
 
 
-def resolve(target: Any, filesystem: Any = None) -> Tuple[Store, str]:
+def resolve(target: Any, filesystem: Any = None, cache: Optional[Dict[Any, Store]] = None) -> Tuple[Store, str]:
     """(store, path in it) for a local path, a ``file://``, ``s3://``, ``gs://`` or fsspec URI,
-    or a path on ``filesystem`` (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem).
+    or a path on ``filesystem`` (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem). A URI's
+    scheme is case-insensitive (``S3://`` is ``s3://``). ``cache``: stores made for earlier URIs
+    of the same scheme, bucket and query, reused (one client for many objects; see
+    :func:`resolve_all`).
+
+    An S3 filesystem made from a URI does not retry by itself (feeder retries, see
+    :class:`Retry`) and has time-outs: :data:`CONNECT_TIMEOUT_S` to connect and
+    :data:`REQUEST_TIMEOUT_S` for a request that stalls, or ``connect_timeout=`` and
+    ``request_timeout=`` (seconds) in the URI's query.
 
     Raises:
         TypeError: ``target`` is not a str or path, or ``filesystem`` is neither kind.
@@ -462,6 +708,8 @@ def resolve(target: Any, filesystem: Any = None) -> Tuple[Store, str]:
     if not isinstance(target, str):
         raise TypeError(f"a path or URI must be a str or os.PathLike, got {type(target).__name__}")
     scheme, rest = split_uri(target)
+    if scheme is not None:
+        target = f"{scheme}://{rest}"  # schemes are case-insensitive (RFC 3986); pyarrow and fsspec want them lower
     if filesystem is not None:
         store = store_of(filesystem)
         if scheme is not None:
@@ -478,19 +726,69 @@ def resolve(target: Any, filesystem: Any = None) -> Tuple[Store, str]:
         return LocalStore(), target
     if scheme == "file":  # file:///abs/path (file://host/... is not a local path: read as /host/...)
         return LocalStore(), rest if rest.startswith("/") else "/" + rest
+    base, _, query = rest.partition("?")
+    key = (scheme, base.split("/", 1)[0], query)
+    known = cache.get(key) if cache is not None else None
+    if isinstance(known, FileSystemStore):
+        if known.fsspec is not None:
+            return known, str(known.fsspec._strip_protocol(target))
+        if known.scheme in ("s3", "gs", "abfs"):
+            return known, base
     if scheme in ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs"):
         try:
-            pafs = _pafs()
-            fs, path = pafs.FileSystem.from_uri(target)
+            found: Tuple[Store, str] = _pyarrow_store(scheme, target)
         except (ValueError, OSError, ImportError, NotImplementedError) as e:
             fallback = _fsspec_store(target, required=False)
-            if fallback is not None:
-                return fallback
-            raise ValueError(f"cannot open {target!r}: {type(e).__name__}: {e}") from e
-        return FileSystemStore(fs, {"gcs": "gs", "abfss": "abfs", "viewfs": "hdfs"}.get(scheme, scheme)), path
-    found = _fsspec_store(target, required=True)
-    assert found is not None
+            if fallback is None:
+                raise ValueError(f"cannot open {target!r}: {type(e).__name__}: {e}") from e
+            found = fallback
+    else:
+        fsspec_found = _fsspec_store(target, required=True)
+        assert fsspec_found is not None
+        found = fsspec_found
+    if cache is not None:
+        cache[key] = found[0]
     return found
+
+
+def resolve_all(targets: Sequence[Any], filesystem: Any = None) -> List[Tuple[Store, str]]:
+    """:func:`resolve` for each target, URIs of one scheme, bucket and query sharing one store
+    (one client, its connections reused), not one per URI."""
+    cache: Dict[Any, Store] = {}
+    return [resolve(t, filesystem, cache) for t in targets]
+
+
+def _pyarrow_store(scheme: str, target: str) -> Tuple["FileSystemStore", str]:
+    """pyarrow's own filesystem for ``target``; an S3 one made with feeder's retry strategy and
+    time-outs (the query's ``connect_timeout`` and ``request_timeout`` taken out for it)."""
+    pafs = _pafs()
+    base, _, query = target.partition("?")
+    params = parse_qsl(query, keep_blank_values=True)
+    timeouts: Dict[str, float] = {"connect_timeout": CONNECT_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S}
+    for name, value in params:
+        if name in _TIMEOUT_QUERY:
+            try:
+                timeouts[name] = float(value)
+            except ValueError:
+                raise ValueError(f"{target!r}: {name} must be a number of seconds, got {value!r}") from None
+            if not timeouts[name] > 0:
+                raise ValueError(f"{target!r}: {name} must be > 0 seconds, got {value!r}")
+    rest = [(k, v) for k, v in params if k not in _TIMEOUT_QUERY]
+    if len(rest) != len(params) and scheme != "s3":
+        raise ValueError(f"{target!r}: {', '.join(_TIMEOUT_QUERY)} apply to s3:// URIs")
+    fs, path = pafs.FileSystem.from_uri(base + ("?" + urlencode(rest) if rest else ""))
+    if fs.type_name == "s3":
+        options = {k: v for k, v in fs.__reduce__()[1][0].items() if k not in _TIMEOUT_QUERY}
+        options.update(timeouts)
+        return FileSystemStore(_s3_with(options), "s3", built=options), path
+    return FileSystemStore(fs, {"gcs": "gs", "abfss": "abfs", "viewfs": "hdfs"}.get(scheme, scheme)), path
+
+
+def _s3_with(options: Dict[str, Any]) -> Any:
+    """A ``pyarrow.fs.S3FileSystem`` of these options that makes one attempt per request: feeder's
+    own retries (:func:`retrying`) are the only ones, bounded in number and time."""
+    pafs = _pafs()
+    return pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
 
 
 def _protocols(fs: Any) -> Tuple[str, ...]:
@@ -556,14 +854,24 @@ def _is_fsspec(obj: Any) -> bool:
 def s3_filesystem(endpoint: str, **options: Any) -> Any:
     """A ``pyarrow.fs.S3FileSystem`` for an S3-compatible server at ``endpoint`` (a URL such as
     ``http://127.0.0.1:9000``: its scheme and host:port); credentials and region from the
-    environment unless ``options`` give them.
+    environment unless ``options`` give them. Made as feeder makes one from a URI: one attempt
+    per request (feeder retries) and feeder's time-outs, unless ``options`` say otherwise.
 
     Raises:
         ValueError: ``endpoint`` is not an http(s) URL with a host.
     """
+    return s3_store(endpoint, **options).fs
+
+
+def s3_store(endpoint: str, **options: Any) -> FileSystemStore:
+    """:func:`s3_filesystem`, as a store that worker processes make again with the same options
+    (what ``feeder predict --s3-endpoint`` passes as ``filesystem=``)."""
     scheme, rest = split_uri(endpoint)
     host = rest.split("/", 1)[0]
     if scheme not in ("http", "https") or not host:
         raise ValueError(f"an S3 endpoint is an http:// or https:// URL with a host (and port), got {endpoint!r}")
-    pafs = _pafs()
-    return pafs.S3FileSystem(endpoint_override=host, scheme=scheme, **options)
+    if "retry_strategy" in options:  # the caller's own: pickled as pyarrow pickles it
+        return FileSystemStore(_pafs().S3FileSystem(endpoint_override=host, scheme=scheme, **options), "s3")
+    built = {"endpoint_override": host, "scheme": scheme, "connect_timeout": CONNECT_TIMEOUT_S,
+             "request_timeout": REQUEST_TIMEOUT_S, **options}
+    return FileSystemStore(_s3_with(built), "s3", built=built)

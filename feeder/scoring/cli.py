@@ -15,13 +15,18 @@ paths or URIs (``s3://bucket/prefix``, ``gs://...``, ``file://...``, fsspec URIs
 server), as ``AWS_ENDPOINT_URL`` does; credentials come from the environment. Prints one line:
 rows written, rows computed, seconds, rows/s. Exit status 0 on success; 2 for a refusal (bad
 arguments, a model or data file that cannot be read, an output that is refused or cannot be
-written, a full disk), one line on stderr in the command line's terms; 1 for a failure while
-running (the output stays resumable); 130 on Ctrl-C (the output stays resumable).
+written, a full disk, access denied, a missing bucket), one line on stderr in the command line's
+terms; 1 for a failure while running or a store that failed transiently (time-outs, throttling,
+5xx answers, after feeder's retries) and for a call stopped because another took its output
+over (the output stays resumable); 130 on Ctrl-C (the output stays resumable): a second Ctrl-C
+ends the process at once, without waiting for the cleanup.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -143,10 +148,27 @@ def parse_columns(values: Optional[Sequence[str]]) -> Dict[str, Union[str, List[
     return out
 
 
-def _exit_status(e: BaseException) -> Optional[int]:
-    """2 for a refusal, 1 for a failure while running, None for a bug (its traceback is shown)."""
-    from feeder.errors import FeederError, FetchError
+def _transient(e: BaseException) -> bool:
+    """Whether ``e`` or what caused it is a store's transient failure (left after the retries)."""
+    from feeder.storage import is_transient
 
+    seen = 0
+    cause: Optional[BaseException] = e
+    while cause is not None and seen < 8:
+        if is_transient(cause):
+            return True
+        cause, seen = cause.__cause__, seen + 1
+    return False
+
+
+def _exit_status(e: BaseException) -> Optional[int]:
+    """2 for a refusal, 1 for a failure while running (a store's transient failure included, and
+    a call whose output another took over), None for a bug (its traceback is shown)."""
+    from feeder.errors import FeederError, FetchError
+    from feeder.scoring.storeout import OutputTakenOver
+
+    if isinstance(e, OutputTakenOver) or _transient(e):
+        return 1
     if isinstance(e, (ValueError, TypeError, OSError, ImportError)):
         return 2
     if isinstance(e, FeederError):
@@ -161,9 +183,57 @@ def _describe(e: BaseException) -> str:
         return f"{e.filename}: {e.strerror}"
     text = str(e)
     cause = e.__cause__
-    if cause is not None and str(cause) and str(cause) not in text:
+    if cause is not None and str(cause) and str(cause) not in text and not getattr(e, "feeder_plain", False):
         text += f" ({type(cause).__name__}: {cause})"
     return text
+
+
+def _message(e: BaseException, status: int) -> str:
+    """The one line on stderr: ``feeder predict: error|failed|stopped: ...`` in the command's
+    terms, saying once that it is feeder predict, and what to do next."""
+    from feeder.errors import FeederError
+    from feeder.scoring.storeout import OutputTakenOver
+
+    text = cli_terms(_describe(e))
+    text = re.sub(r"(^|(?<=: ))feeder predict: ", "", text)  # said once, at the start of the line
+    if isinstance(e, OutputTakenOver):
+        return f"feeder predict: stopped: {text}"
+    if _transient(e):
+        return (f"feeder predict: failed: {text}; the store failed transiently (time-outs, throttling or 5xx answers, "
+                f"after feeder's retries): the output keeps what was committed: run the same command again to "
+                f"continue once the store answers")
+    # Stopped while running (not refused at the start): what was committed stays.
+    running = isinstance(e, FeederError) and not isinstance(e, ValueError)
+    again = "; the output keeps what was committed: run the same command again to continue" if running else ""
+    return f"feeder predict: {'error' if status == 2 else 'failed'}: {text}{again}"
+
+
+class _Interrupts:
+    """Ctrl-C: the first raises KeyboardInterrupt (the call cleans up: its part dropped, its lease
+    deleted, within a few seconds); a second one while that runs ends the process at once."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self.previous: Any = None
+
+    def __enter__(self) -> "_Interrupts":
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: Python's own handling
+            self.previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pressed:
+            os.write(2, b"feeder predict: interrupted again; exiting without waiting for the cleanup "
+                        b"(the output keeps what was committed)\n")
+            os._exit(130)
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def _shard(text: Optional[str]) -> Any:
@@ -179,6 +249,11 @@ def _shard(text: Optional[str]) -> Any:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
+    with _Interrupts():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     import feeder
     from feeder.sources import ParquetSource
 
@@ -187,9 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         data_fs = output_fs = None
         if args.s3_endpoint is not None:
-            from feeder.storage import s3_filesystem, split_uri
+            from feeder.storage import s3_store, split_uri
 
-            s3 = s3_filesystem(args.s3_endpoint)
+            s3 = s3_store(args.s3_endpoint)
             data_fs = s3 if split_uri(args.data)[0] == "s3" else None
             output_fs = s3 if split_uri(args.output)[0] == "s3" else None
         model: Any = args.model
@@ -222,13 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = _exit_status(e)
         if status is None:
             raise
-        from feeder.errors import FeederError
-
-        # Stopped while running (not refused at the start): what was committed stays.
-        running = isinstance(e, FeederError) and not isinstance(e, ValueError)
-        again = "; the output keeps what was committed: run the same command again to continue" if running else ""
-        print(f"feeder predict: {'error' if status == 2 else 'failed'}: {cli_terms(_describe(e))}{again}",
-              file=sys.stderr)
+        print(_message(e, status), file=sys.stderr)
         return status
     print(f"{result.rows} rows written, {result.rows_computed} computed, {result.seconds:.2f} s, "
           f"{result.rows_per_s:.0f} rows/s")

@@ -97,6 +97,7 @@ class Listing:
     """What a scan of the output directory found, by kind (file names, not paths)."""
 
     parts: Dict[int, str] = field(default_factory=dict)   # part index -> name
+    sizes: Dict[str, int] = field(default_factory=dict)   # part name -> its size in bytes, as listed
     temporary: List[str] = field(default_factory=list)    # our temporary files
     foreign: List[str] = field(default_factory=list)      # anything that is not ours
     state: bool = False
@@ -158,6 +159,14 @@ class OutputDir:
                              f"{LOCK_NAME} is held); two calls on one output would interleave their parts") from None
         self._lock_fd = fd
 
+    def acquire(self) -> None:
+        """Nothing more: the lock taken by :meth:`open` keeps other calls out (a call refused at
+        ``open`` changes nothing)."""
+
+    def changed_since_read(self) -> bool:
+        """False: under the lock, no other call commits."""
+        return False
+
     def close(self) -> None:
         """Release the lock (the lock file stays: removing it would race with a new caller)."""
         fd, self._lock_fd = self._lock_fd, None
@@ -177,6 +186,7 @@ class OutputDir:
             m = PART_RE.match(name)
             if m and os.path.isfile(self.join(name)):
                 found.parts[int(m.group(1))] = name
+                found.sizes[name] = os.path.getsize(self.join(name))
             elif name == STATE_NAME and os.path.isfile(self.join(name)):
                 found.state = True
             elif name == SUCCESS_NAME and os.path.isfile(self.join(name)):

@@ -226,9 +226,12 @@ class PartWriter:
         return rg
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
+        failure = self._failure
+        if isinstance(failure, FeederError):  # feeder's own words already (another call took the output over)
+            raise type(failure)(*failure.args) from failure.__cause__
+        if failure is not None:
             raise FeederError(f"feeder.predict: writing the output in {self.out.path!r} failed: "
-                              f"{type(self._failure).__name__}: {self._failure}") from self._failure
+                              f"{type(failure).__name__}: {failure}") from failure
         if self._aborted:
             raise FeederError("feeder.predict: the writer was stopped")
 

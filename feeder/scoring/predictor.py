@@ -54,7 +54,7 @@ from ..runtime import (
 from ..sources.base import ROW_KEY, ShardedSource, definition_differences, jsonish, ranges_of
 from ..validation import int_arg
 from .modelid import model_identity
-from .outputdir import STATE_NAME, OutputDir
+from .outputdir import STATE_NAME, Listing, OutputDir
 from .partwriter import CommittedPart, Output, PartWriter
 from .storeout import StoreOutput
 
@@ -210,11 +210,14 @@ def predict(model: Any, source: Callable[[int, int], Any], output: PathLike, *,
     output = rank_output(output, source)
     out = _output(output, filesystem)
     _refuse_output_in_input(source, out)
+    # Everything is checked before this call writes anything (in an object store, before it puts
+    # its lease): a call refused changes nothing, and never stops another call writing the output.
     out.open()
     try:
         job = _Job(out, plan, source, fingerprint, options, durable=_durable)
         finished = job.prepare(overwrite)
         if finished:
+            job.mark_finished()
             return PredictResult(job.rows, 0, time.perf_counter() - t0, job.files())
         nrep = replicas if replicas is not None else _cores()
         counts = dict(num_worker_threads=num_worker_threads, num_worker_processes=num_worker_processes,
@@ -518,15 +521,22 @@ class _Job:
         self.resume: Optional[Dict[str, Any]] = None
         self._done = KeyLedger(SOURCE_NAME)
         self._fresh = True
+        self._read = False  # prepare() read a state (checked again once the lease is put)
+        self._found = Listing()
+        self.overwrite = False
 
     def files(self) -> List[str]:
         return [self.out.join(p["file"]) for p in self.parts]
 
     # -- before anything runs --
     def prepare(self, overwrite: bool) -> bool:
-        """Check the output directory and its state; True when it is already complete (and then
-        marked so: its ``_SUCCESS`` written if a crash left it out)."""
+        """Check the output directory and its state, writing nothing; True when it is already
+        complete (:meth:`mark_finished` then writes its ``_SUCCESS`` if a crash left it out)."""
+        self.overwrite = overwrite
+        self.parts, self.rows, self.resume, self.filtered = [], 0, None, 0
+        self._done, self._fresh, self._read = KeyLedger(SOURCE_NAME), True, False
         found = self.out.scan()
+        self._found = found
         self.out.refuse_foreign(found)  # again, now under the lock
         if not found.state:
             if found.parts:
@@ -537,6 +547,7 @@ class _Job:
         if overwrite:
             return False  # start afresh: run() replaces the state, then removes the old parts
         state = self.out.read_state()
+        self._read = True
         self._check_rank(state)
         if state.get("parts") == [] and not state.get("rows"):
             # A state that commits no part (a run refused for bad data, or killed before its first
@@ -562,10 +573,16 @@ class _Job:
                              + f", more than this source's {total} (fewer epochs?); pass overwrite=True to start "
                              f"afresh (it removes that output)")
         # Complete only while the source has no more rows: a source given more epochs continues.
-        finished = bool(state.get("complete")) and (total is None or self.rows + self.filtered == total)
-        if finished and not found.success:
-            self.out.write_marker(durable=self.durable)  # a crash between the final state and its marker
-        return finished
+        return bool(state.get("complete")) and (total is None or self.rows + self.filtered == total)
+
+    def mark_finished(self) -> None:
+        """On a complete output: write its ``_SUCCESS`` if a crash left it out (after the final
+        manifest), having deleted any part its state does not list; otherwise touch nothing."""
+        if self._found.success:
+            return
+        self.out.acquire()
+        self.out.recover({p["file"] for p in self.parts})
+        self.out.write_marker(durable=self.durable)
 
     def _check_rank(self, state: Dict[str, Any]) -> None:
         """ValueError when the output was written by another rank (or world size) than this call's
@@ -613,7 +630,8 @@ class _Job:
         for p in parts:
             if not isinstance(p["file"], str) or not self.out.is_part(p["file"]):
                 raise ValueError(f"{where}: {state_file} lists {p['file']!r}, which is not a part file; {afresh}")
-            size = self.out.size(p["file"])
+            # Sizes as the listing gave them (one request for every part, not a HEAD each).
+            size = self._found.sizes.get(p["file"])
             if size != p["bytes"]:
                 got = "missing" if size is None else f"{size} bytes, not {p['bytes']}"
                 raise ValueError(f"{where} is damaged: its committed part {p['file']} is {got}; {afresh}")
@@ -623,23 +641,25 @@ class _Job:
             progress: Optional[bool]) -> int:
         """Compute every row not yet committed; returns how many rows this call computed."""
         plan = self.plan
-        coord = GlobalCoordinator()
+        coord = self._register(replicas, batch_size, counts)
         try:
-            # Registration checks everything the source and feeder can. Ordered: one registration,
-            # read in the source's order, whose batches the replica threads share (the writer puts
-            # them back in order); otherwise one registration per replica.
-            for _ in range(1 if plan.ordered else replicas):
-                init_data_input_workers(plan.adapter, plan.feed_names, self.source, batch_size,
-                                        input_source_name=SOURCE_NAME, coordinator=coord, resume_from=self.resume,
-                                        ordered=plan.ordered, replica=True, **counts)
-            ledger = coord.get_queue(SOURCE_NAME, 1).row_keys
-            if ledger is not None:  # the keys of filtered rows, committed with the next part
-                ledger.on_filtered = self._note_filtered
+            # Only now is anything written. In an object store, this call's lease first (another
+            # call writing here stops at its next commit); if a call committed between the check of
+            # the manifest and the lease, the manifest is read (and registered from) again.
+            self.out.acquire()
+            if self._read and self.out.changed_since_read():
+                coord.stop()
+                log.info("feeder.predict: %s: another call committed to the output while this one checked it; "
+                         "its manifest is read again", self.out.path)
+                if self.prepare(self.overwrite):
+                    self.mark_finished()
+                    return 0
+                coord = self._register(replicas, batch_size, counts)
         except BaseException:
             coord.stop()
             raise
         try:
-            # Only now is anything written. First the completion marker goes (durably), before any
+            # First the completion marker goes (durably), before any
             # part or state of this run: a folder with _SUCCESS is always a complete output. Then a
             # fresh state before the first part (a directory with parts and no state is never
             # ours), then whatever the state does not commit is deleted.
@@ -659,6 +679,26 @@ class _Job:
             coord.stop()
             raise
         return _Replicas(coord, writer, plan, self._todo(), progress, replicas).run()
+
+    def _register(self, replicas: int, batch_size: int, counts: Dict[str, Any]) -> GlobalCoordinator:
+        """A coordinator with the source registered from the state read (not started)."""
+        plan = self.plan
+        coord = GlobalCoordinator()
+        try:
+            # Registration checks everything the source and feeder can. Ordered: one registration,
+            # read in the source's order, whose batches the replica threads share (the writer puts
+            # them back in order); otherwise one registration per replica.
+            for _ in range(1 if plan.ordered else replicas):
+                init_data_input_workers(plan.adapter, plan.feed_names, self.source, batch_size,
+                                        input_source_name=SOURCE_NAME, coordinator=coord, resume_from=self.resume,
+                                        ordered=plan.ordered, replica=True, **counts)
+            ledger = coord.get_queue(SOURCE_NAME, 1).row_keys
+            if ledger is not None:  # the keys of filtered rows, committed with the next part
+                ledger.on_filtered = self._note_filtered
+        except BaseException:
+            coord.stop()
+            raise
+        return coord
 
     def _total(self) -> Optional[int]:
         """The rows of the whole source, when it can tell (rows x epochs; a rank's share of them)."""
@@ -712,6 +752,9 @@ class _Job:
         if self.durable or final:
             self.out.write_state(self._state(complete=final), durable=self.durable)
         if final:
+            # Nothing but the committed parts beside _SUCCESS (a part a stopped call uploaded late,
+            # say): a reader of the folder or prefix reads exactly the state's rows.
+            self.out.recover({p["file"] for p in self.parts})
             self.out.write_marker(durable=self.durable)  # after the state that says it is complete
 
     def _state(self, complete: bool) -> Dict[str, Any]:
@@ -823,6 +866,8 @@ class _Replicas:
         finally:
             if bar is not None:
                 bar.close()
+            if not ok:  # first, so that replicas waiting in add() for a writer that hangs stop at once
+                writer.abort(timeout=0.0)
             coord.stop()  # wakes replicas still waiting for a batch (FeedStopped)
             deadline = time.monotonic() + coord.join_timeout
             for t in threads:

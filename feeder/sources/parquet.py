@@ -13,11 +13,13 @@ hide each request's latency, the next units of the sequence read ahead on a smal
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
 import functools
 import hashlib
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -26,13 +28,16 @@ import numpy as np
 
 from ..errors import InputValidationError
 from ..storage import (
+    Opened,
     Retry,
     RetryCounts,
+    SharedCheck,
     Store,
     is_io_failure,
     is_transient,
     map_bounded,
-    resolve,
+    plain_error,
+    resolve_all,
     retrying,
     sha256_file,
 )
@@ -108,9 +113,12 @@ class ParquetSource(ShardedSource):
     An object is named by its URI in states and messages. The footers of many objects are read
     concurrently when the source is created; transient failures of the store (time-outs,
     throttling, 5xx answers, connections reset) are retried ``retries`` times with exponential
-    backoff (0.1 s doubling, at most 5 s, about 3 s in all for 5), then the read fails as a fetch
-    error (which ``max_fetch_errors`` may tolerate); a missing object or access denied is not
-    retried. :meth:`feeder_counters` reports the retries. Reading from a store, the next
+    backoff (0.1 s doubling, at most 5 s, about 3 s in all for 5; none begun 10 s after the
+    first failure), then the read fails as a fetch error (which ``max_fetch_errors`` may tolerate); a
+    missing object or access denied is not retried (access denied and a missing bucket are said in
+    plain words). The first failure is logged at WARNING at once. An S3 filesystem made from an
+    ``s3://`` URI does not retry by itself (feeder's retries are the only ones) and gives up a
+    stalled request after 10 s. :meth:`feeder_counters` reports the retries. Reading from a store, the next
     ``readahead`` units of the sequence are taken ahead and read on up to 16 threads (named
     ``feeder:<source>:readahead-<k>``), adjacent row groups of one object in one request (up to
     8 MiB), so that many requests are in flight while the fetchers hand on what came back; what
@@ -139,9 +147,11 @@ class ParquetSource(ShardedSource):
     moved), for data copied between machines, whose time stamps do not survive. A file that
     changes after the source was created is a ValueError at ``start()`` or an
     InputValidationError at the first read of it, naming the file (an object in a store: when a
-    worker first opens it, with the one request that opens it). A file that is not Parquet
-    (or is truncated) is a ValueError naming it at creation, and an InputValidationError naming
-    it and the row group at a read.
+    worker first opens it, with the one request that opens it, or at the first read after it was
+    replaced, even by an object of the same size: each read is confirmed by a request begun after
+    it, shared by the reads of the object that end together, or by s3fs's ``If-Match``). A file
+    that is not Parquet (or is truncated) is a ValueError naming it at creation, and an
+    InputValidationError naming it and the row group at a read.
 
     Tabular data: an input may take a list of scalar columns, ``columns={"X": ["f0", "f1"]}``,
     stacked into one ``[N, k]`` input in that order (the output is allocated once and filled
@@ -221,25 +231,30 @@ class ParquetSource(ShardedSource):
         self._active = False  # between feeder_bind and feeder_release: a readahead pool may start
         self._reset_io()
         given_paths = _as_list(paths)
-        located = [resolve(p, filesystem) for p in given_paths]
+        # One store per filesystem (URIs of one bucket share a client), and what is at each path
+        # listed concurrently: a list of many objects costs what a prefix holding them costs.
+        located = resolve_all(given_paths, filesystem)
+        listed = map_bounded(self._list, located, FOOTER_THREADS if any(not st.local for st, _ in located) else 1,
+                             "feeder:parquet:list")
         # Per file: (where it is shown and what it is, the name recorded in a state): a local file's
         # path and its name relative to the folder given; an object's URI, twice.
         self.files: List[Tuple[str, str]] = []
         self._stores: List[Store] = []
         self._paths: List[str] = []     # each file's path inside its store
+        opened: Dict[int, Opened] = {}  # file index -> the object as listing it opened it (its footer is read next)
         roots = []
-        for store, path in located:
+        for (store, path), found in zip(located, listed):
             if store.local:
-                found = _list_files([path])
-                self._paths += [f for f, _ in found]
+                self._paths += [f for f, _, _ in found]
+                self.files += [(f, name) for f, name, _ in found]
                 roots.append(os.path.abspath(path))
             else:
-                found = self._io(functools.partial(store.list_parquet, path),  # type: ignore[attr-defined]
-                                 f"listing {store.uri(path)!r}", None)
-                self._paths += [f for f, _ in found]
-                found = [(uri, uri) for _, uri in found]
+                for f, uri, pre in found:
+                    if pre is not None:
+                        opened[len(self._paths)] = pre
+                    self._paths.append(f)
+                    self.files.append((uri, uri))
                 roots.append(store.uri(path.rstrip("/") or path))
-            self.files += found
             self._stores += [store] * len(found)
         if not self.files:
             raise ValueError("paths names no Parquet file")
@@ -268,8 +283,14 @@ class ParquetSource(ShardedSource):
         shared: Dict[Tuple[Tuple[str, str], ...], Dict[str, str]] = {}
         units: List[int] = []
         self._unit_at: List[Tuple[int, int]] = []  # unit -> (file index, row group)
-        probes = map_bounded(self._probe, list(range(len(self.files))),
-                             FOOTER_THREADS if self.remote else LOCAL_FOOTER_THREADS, "feeder:parquet:footers")
+        self._pre_opened = opened
+        try:
+            probes = map_bounded(self._probe, list(range(len(self.files))),
+                                 FOOTER_THREADS if self.remote else LOCAL_FOOTER_THREADS, "feeder:parquet:footers")
+        finally:
+            for pre in self._pre_opened.values():  # left by a probe that never ran (an earlier one failed)
+                pre.handle.close()
+            self._pre_opened = {}
         for i, (stamp, meta, digest) in enumerate(probes):
             fields = tuple((f.name, str(f.type)) for f in meta.schema.to_arrow_schema())
             self._fields.append(shared.setdefault(fields, dict(fields)))
@@ -350,28 +371,41 @@ class ParquetSource(ShardedSource):
         """What reading from a store holds in one process: open objects, the readahead pool, the
         units taken ahead. Made empty here, at bind, at release and when unpickled."""
         self._io_lock = threading.Lock()
-        self._open: "OrderedDict[int, List[Any]]" = OrderedDict()  # file index -> [handle, users]
+        self._open: "OrderedDict[int, List[Any]]" = OrderedDict()  # file index -> [handle, users, pinned]
         self._opening: Dict[int, threading.Event] = {}             # file index -> set once it is open
         self._pool: Optional[Readahead] = None
         self._ahead: Dict[int, Deque[List[Any]]] = {}  # readahead key -> [[sequence index, unit, submitted]]
         self._ended: Set[int] = set()                     # readahead keys whose sequence has ended
         self._stop = threading.Event()
+        self._checks = SharedCheck()  # per object: the checks that reads of it did not meet another version
 
     # ---- I/O through the store, with retries ----
-    def _io(self, fn: Any, what: str, worker: Optional[int]) -> Any:
+    def _io(self, fn: Any, what: str, worker: Optional[int], uri: Optional[str] = None) -> Any:
         """``fn()`` with transient failures retried (see feeder.storage.retrying), counted for
-        ``worker`` (None: creating or starting the source)."""
-        def note(e: BaseException, retry: int, wait: float) -> None:
-            self._counts.retried(worker)
-
+        ``worker`` (None: creating or starting the source); the source's first failure is logged
+        at WARNING at once. A failure the user must act on (access denied, a missing bucket, an
+        endpoint that cannot be reached) is raised in plain words naming ``uri`` (the store's own
+        error its cause)."""
         try:
-            return retrying(fn, what, self._retry, note, self._stop)
+            return retrying(fn, what, self._retry, stop=self._stop, counts=self._counts, worker=worker)
         except Exception as e:
             if is_transient(e):
                 self._counts.gave_up(worker)
-                log.warning("ParquetSource: %s failed after %d retries: %s: %s", what, self._retry.attempts,
-                            type(e).__name__, " ".join(str(e).split())[:300])
+                log.warning("ParquetSource: %s failed after its retries (up to %d within %.0f s): %s: %s", what,
+                            self._retry.attempts, self._retry.budget_s, type(e).__name__,
+                            " ".join(str(e).split())[:300])
+            plain = plain_error(e, uri) if uri is not None else None
+            if plain is not None:
+                raise plain from e
             raise
+
+    def _list(self, located: Tuple[Store, str]) -> List[Tuple[str, str, Optional[Opened]]]:
+        """(path, name, the object opened or None) of each Parquet file at one given path."""
+        store, path = located
+        if store.local:
+            return [(f, name, None) for f, name in _list_files([path])]
+        return self._io(functools.partial(store.list_parquet, path),  # type: ignore[attr-defined,no-any-return]
+                        f"listing {store.uri(path)!r}", None, store.uri(path))
 
     def _probe(self, index: int) -> Tuple[Tuple[int, str], Any, Optional[str]]:
         """((size, version), footer, SHA-256 or None) of file ``index``, read at creation."""
@@ -381,17 +415,18 @@ class ParquetSource(ShardedSource):
             stamp = _stamp(path)
             meta = _read_footer(pa, path)
             return stamp, meta, sha256_file(path) if self.identity == "content" else None
+        # opened by the listing: the first try needs no request to open it (a retry opens it again)
+        pre: List[Opened] = [p for p in [self._pre_opened.pop(index, None)] if p is not None]
 
         def once() -> Tuple[Tuple[int, str], Any]:
-            f = store.open_input(path)  # type: ignore[attr-defined]
+            opened: Opened = pre.pop() if pre else store.open_versioned(path)  # type: ignore[attr-defined]
             try:
-                size, version = int(f.size()), store.version_of(path, f)  # type: ignore[attr-defined]
-                return (size, version), _read_footer(pa, f, shown)
+                return (opened.size, opened.version), _read_footer(pa, opened.handle, shown)
             finally:
-                f.close()
+                opened.handle.close()
 
-        stamp, meta = self._io(once, f"reading the footer of {shown!r}", None)
-        digest = (self._io(lambda: store.sha256(path), f"hashing {shown!r}", None)  # type: ignore[attr-defined]
+        stamp, meta = self._io(once, f"reading the footer of {shown!r}", None, shown)
+        digest = (self._io(lambda: store.sha256(path), f"hashing {shown!r}", None, shown)  # type: ignore
                   if self.identity == "content" else None)
         return stamp, meta, digest
 
@@ -537,6 +572,8 @@ class ParquetSource(ShardedSource):
         try:
             now = self._stat(index, worker)
         except OSError as e:
+            if is_transient(e):  # the store failed: it cannot tell (the caller's own failure stands)
+                return None
             return f"Parquet file {path!r} cannot be read any more ({type(e).__name__}: {e})"
         return self._how_changed(index, now, worker)
 
@@ -624,7 +661,7 @@ class ParquetSource(ShardedSource):
         with self._io_lock:
             self._active = False  # a fetch still under way after stop() reads without a pool
             pool, self._pool = self._pool, None
-            handles = [h for h, _ in self._open.values()]
+            handles = [entry[0] for entry in self._open.values()]
             self._open.clear()
             self._ahead, self._ended = {}, set()
         self._stop.set()  # a retry waiting out its backoff gives up
@@ -641,7 +678,7 @@ class ParquetSource(ShardedSource):
         state["_handles"] = {}  # open files stay with their process
         state["_metas"] = None  # footers are not sent: the fingerprint was taken at registration
         state["_footers"] = [None] * len(self._footers)  # read again where needed, once per object
-        for name in ("_io_lock", "_open", "_opening", "_pool", "_ahead", "_ended", "_stop"):
+        for name in ("_io_lock", "_open", "_opening", "_pool", "_ahead", "_ended", "_stop", "_checks"):
             state.pop(name, None)
         return state
 
@@ -698,25 +735,43 @@ class ParquetSource(ShardedSource):
         where = f"Parquet file {shown!r}, row group{'s' if len(rgs) > 1 else ''} {', '.join(map(str, rgs))}"
 
         def once() -> Any:
-            handle, footer = self._acquire(index, worker_id)
+            handle, footer, pinned = self._acquire(index, worker_id)
             try:
-                return pa.parquet.ParquetFile(handle, metadata=footer, pre_buffer=PRE_BUFFER).read_row_groups(
+                table = pa.parquet.ParquetFile(handle, metadata=footer, pre_buffer=PRE_BUFFER).read_row_groups(
                     rgs, columns=cols)
             except Exception as e:
-                if is_transient(e):
+                if is_transient(e) or _expired(e):
                     # the retry opens the object again, checking its size and version: one deleted
                     # or replaced under this handle is then named, never read through it again
                     self._forget(index, handle)
+                if _expired(e):  # s3fs: the object's ETag no longer matches (its If-Match failed)
+                    raise InputValidationError(self._changed(index, worker_id) or
+                                               f"Parquet file {shown!r} changed while it was read ({e})") from e
                 raise
             finally:
                 self._unuse(index)
+            if not pinned:
+                # The handle's GETs carry no If-Match: the object must still be the version the
+                # handle opened once they are answered, or the bytes may be another object's
+                # (replaced by one of the same size). One HEAD begun after the read, shared by
+                # every read of the object that ended meanwhile.
+                self._confirm(index, worker_id, handle)
+            return table
         try:
-            table = self._io(once, f"reading {where}", worker_id)
+            table = self._io(once, f"reading {where}", worker_id, shown)
         except Exception as e:
             if len(units) > 1:
                 return [self._read_remote([u], worker_id)[0] for u in units]
-            if isinstance(e, InputValidationError) or not isinstance(e, (pa.ArrowException, OSError)):
+            if isinstance(e, (InputValidationError, _CheckFailed)) or not isinstance(e, (pa.ArrowException, OSError)):
                 return [_Failed(e)]
+            if not is_transient(e) and is_io_failure(e):
+                # A failure no retry mends (the object is gone, or denied now): the object changed
+                # (bad data, never skipped) when it is no longer what the source was created from.
+                changed = self._changed(index, worker_id)
+                if changed is not None:
+                    gone = InputValidationError(changed)
+                    gone.__cause__ = e
+                    return [_Failed(gone)]
             failed = _read_error(e, where)
             failed.__cause__ = e
             return [_Failed(failed)]
@@ -727,24 +782,24 @@ class ParquetSource(ShardedSource):
             at += n
         return out
 
-    def _acquire(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
-        """(the object's open handle, its footer), opened once per process by one thread while the
-        others wait (on S3 a HEAD request, whose size and ETag must be what they were:
-        InputValidationError if not)."""
+    def _acquire(self, index: int, worker: Optional[int]) -> Tuple[Any, Any, bool]:
+        """(the object's open handle, its footer, whether the store checks its version at each
+        read), opened once per process by one thread while the others wait (on S3 a HEAD request,
+        whose size and ETag must be what they were: InputValidationError if not)."""
         while True:
             with self._io_lock:
                 entry = self._open.get(index)
                 if entry is not None:
                     entry[1] += 1
                     self._open.move_to_end(index)
-                    return entry[0], self._footers[index]
+                    return entry[0], self._footers[index], entry[2]
                 opening = self._opening.get(index)
                 if opening is None:
                     opening = self._opening[index] = threading.Event()
                     break
             opening.wait(1.0)  # another thread opens it (a request): use its handle, or try again
         try:
-            handle, footer = self._open_object(index, worker)
+            handle, footer, pinned = self._open_object(index, worker)
         finally:
             with self._io_lock:
                 del self._opening[index]
@@ -752,28 +807,30 @@ class ParquetSource(ShardedSource):
         idle = []
         with self._io_lock:
             self._footers[index] = footer
-            self._open[index] = [handle, 1]
+            self._open[index] = [handle, 1, pinned]
             while len(self._open) > OPEN_HANDLES:
-                oldest = next((i for i, (_, users) in self._open.items() if users == 0), None)
+                oldest = next((i for i, (_, users, _) in self._open.items() if users == 0), None)
                 if oldest is None:
                     break
                 idle.append(self._open.pop(oldest)[0])
         for h in idle:
             h.close()
-        return handle, footer
+        return handle, footer, pinned
 
-    def _open_object(self, index: int, worker: Optional[int]) -> Tuple[Any, Any]:
-        """(an open handle, the footer) of object ``index``, whose size and version must be what
-        they were (InputValidationError naming how it changed, or that it is gone). A transient
-        failure is raised as it came (the read that opens it retries)."""
+    def _open_object(self, index: int, worker: Optional[int]) -> Tuple[Any, Any, bool]:
+        """(an open handle, the footer, whether reads through the handle are checked against its
+        version by the store) of object ``index``, whose size and version must be what they were
+        (InputValidationError naming how it changed, or that it is gone). A transient failure is
+        raised as it came (the read that opens it retries)."""
         store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
         try:
-            handle = store.open_input(path)  # type: ignore[attr-defined]
-        except (FileNotFoundError, PermissionError) as e:  # gone or denied: as a local file's stat says
+            opened = store.open_versioned(path)  # type: ignore[attr-defined]
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:  # gone or denied: as a local stat says
             raise InputValidationError(f"Parquet file {shown!r} cannot be read any more ({type(e).__name__}: "
                                        f"{e})") from e
+        handle = opened.handle
         try:
-            now = (int(handle.size()), store.version_of(path, handle))  # type: ignore[attr-defined]
+            now = (opened.size, opened.version)
             if now != self._stamps[index]:
                 changed = self._how_changed(index, now, worker)
                 if changed is not None:
@@ -784,7 +841,33 @@ class ParquetSource(ShardedSource):
         except BaseException:
             handle.close()
             raise
-        return handle, footer
+        return handle, footer, opened.pinned
+
+    def _confirm(self, index: int, worker: Optional[int], handle: Any) -> None:
+        """InputValidationError when object ``index`` is no longer the version the source was
+        created from, checked by a request begun after this call (the read before it was then of
+        that version); a transient failure of the check (after its retries) is an OSError. Reads
+        of one object that end together share one check (:class:`~feeder.storage.SharedCheck`)."""
+        store, path, shown = self._stores[index], self._paths[index], self.files[index][0]
+
+        def check() -> Tuple[str, Any]:
+            try:
+                now = retrying(lambda: store.stat(path), f"checking {shown!r}", self._retry,  # type: ignore
+                               stop=self._stop, counts=self._counts, worker=worker)
+            except Exception as e:
+                if is_transient(e):
+                    return "failed", e
+                return "changed", f"Parquet file {shown!r} cannot be read any more ({type(e).__name__}: {e})"
+            changed = self._how_changed(index, now, worker) if now != self._stamps[index] else None
+            return ("changed", changed) if changed is not None else ("same", None)
+
+        outcome, detail = self._checks.check(index, check)
+        if outcome == "changed":
+            self._forget(index, handle)
+            raise InputValidationError(detail)
+        if outcome == "failed":
+            raise _CheckFailed(f"checking that {shown!r} did not change while it was read failed (after "
+                               f"{self._retry.attempts} retries): {type(detail).__name__}: {detail}") from detail
 
     def _forget(self, index: int, handle: Any) -> None:
         """Stop sharing ``handle`` (its users finish with it; it closes when they let go)."""
@@ -966,6 +1049,22 @@ class _ReadRun:
 
     def __call__(self) -> List[Any]:
         return self.source._read_remote(self.units, self.worker_id)
+
+
+class _CheckFailed(OSError):
+    """The check that an object did not change while it was read failed, after its own retries:
+    a fetch error (retried no more), never taken for a changed object."""
+
+    feeder_transient = False
+
+
+def _expired(e: BaseException) -> bool:
+    """Whether a read failed because the object is no longer the version its handle opened: s3fs's
+    ``FileExpired`` (an OSError EBUSY: its ``If-Match`` on the ETag failed), or a store's 412."""
+    if type(e).__name__ == "FileExpired" or (isinstance(e, OSError) and e.errno == errno.EBUSY
+                                             and "no longer exists" in str(e)):
+        return True
+    return bool(re.search(r"PreconditionFailed|PRECONDITION_FAILED|HTTP status 412", str(e)))
 
 
 class _Failed:
