@@ -78,6 +78,7 @@ def init_data_input_workers(
     pad_to_multiple_of: Optional[int] = None,
     length_window: Optional[int] = None,
     mask_names: Optional[Dict[str, str]] = None,
+    assemble_threads: Optional[int] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -165,6 +166,10 @@ def init_data_input_workers(
             (``decoder_attention_mask`` for ``decoder_input_ids``), which it then takes (for one
             padded input). A mask need not be in ``input_names``: ``fetch_fun`` never returns it,
             and a session input of its name is fed with it.
+        assemble_threads: How many threads at most write big batches (1 MiB or more to copy) at once,
+            each outside the feed's lock while the next batch is planned: the threads that pass by
+            (fetchers, receivers, the enqueuer, a consumer with nothing ready) do it, no thread is
+            added. None (>= 1 otherwise): the machine's cores, up to 4. Batches stay in their order.
 
     Returns:
         The coordinator the feed was registered on (the same object every time): call
@@ -218,6 +223,8 @@ def init_data_input_workers(
         raise ValueError("worker_init_fun, mp_context and seed apply to worker processes only "
                          "(num_worker_processes > 0)")
     max_buffered_batches = int_arg("max_buffered_batches", max_buffered_batches, 1)
+    if assemble_threads is not None:
+        assemble_threads = int_arg("assemble_threads", assemble_threads, 1)
     max_fetch_errors = int_arg("max_fetch_errors", max_fetch_errors, 0)
     if max_buffered_bytes is not None:
         max_buffered_bytes = int_arg("max_buffered_bytes", max_buffered_bytes, 1)
@@ -297,7 +304,7 @@ def init_data_input_workers(
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
-                    placement=placement, padding=padding)
+                    placement=placement, padding=padding, assemble_threads=assemble_threads)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,

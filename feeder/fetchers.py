@@ -35,6 +35,7 @@ from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .errors import Failure, FeederError, FetchError, InputValidationError
 from .rebatcher import BufferRing, Rebatcher
 from .sources.base import SKIP
+from .trace import TraceHook
 from .tuning import Throttle
 from .validation import ChunkValidator
 
@@ -191,10 +192,11 @@ class Coalescer:
     """
 
     def __init__(self, state: WorkerState, source: ChunkQueue, axes: Sequence[int], batch_size: int,
-                 put: Callable[[Chunk], bool]):
+                 put: Callable[[Chunk], bool], allocate: Optional[Callable[..., np.ndarray]] = None):
         self.parked: List[bool] = []
         self.returned = threading.Event()
-        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING))
+        # (allocate: a device feed's staging memory, which the device copies batches from as they are)
+        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING, allocate=allocate))
         self.held_since = 0.0  # when the oldest held row arrived (monotonic s); 0.0: holds none
         # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
         # keep coalesced batches on its batch boundaries (see the module docstring).
@@ -458,15 +460,18 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
                throttle: Optional[Throttle] = None, turns: Optional[Turns] = None,
-               pump: Optional[Callable[[Chunk], Optional[bool]]] = None) -> None:
+               pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
+               allocate: Optional[Callable[..., np.ndarray]] = None, trace: Optional[TraceHook] = None) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
     ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run; with
-    ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn."""
+    ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn.
+    ``allocate`` makes the coalescing buffers (a device feed's staging memory); ``trace`` is where
+    the feed's active trace is (each call that returned a chunk is a "fetch" span)."""
     wid = state.worker_id
     co = None
     if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
         co = Coalescer(state, source, validator.axes, batch_size(),
-                       lambda chunk: put_chunk(source, chunk, state, stop, pump))
+                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate)
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
@@ -566,6 +571,9 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             now = monotonic()
             if not was_carried:  # the burst counted its own calls' time
                 state.fetch_s += now - state.since
+                tracer = trace.tracer if trace is not None else None
+                if tracer is not None and raw is not None:
+                    tracer.span("fetch", state.since, now)
             short = now - state.since < SHORT_CALL_S
             if now >= cpu_due:
                 state.sample_cpu(now)
@@ -644,9 +652,12 @@ class ThreadFetchers:
 
     def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
                  worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event,
-                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None):
+                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
+                 allocate: Optional[Callable[..., np.ndarray]] = None, trace: Optional[TraceHook] = None):
         self.source = source
         self._pump = pump  # Feed.pump_put: producers take their chunks on into the ready queue
+        self._allocate = allocate  # coalescing buffers: a device feed's staging memory
+        self._trace = trace
         self.states = [WorkerState(w) for w in worker_ids]
         self._fetch_fun = fetch_fun
         self._validator = validator
@@ -669,7 +680,8 @@ class ThreadFetchers:
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
                             validator=self._validator, state=state, batch_size=lambda: self._batch_size,
                             stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
-                            throttle=self._throttle, turns=turns, pump=self._pump))
+                            throttle=self._throttle, turns=turns, pump=self._pump, allocate=self._allocate,
+                            trace=self._trace))
         for state in self.states:
             state.set("starting")
             assert state.thread is not None
