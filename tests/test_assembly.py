@@ -29,8 +29,8 @@ class WriteWatch:
     """Plan.execute wrapped: who writes batches, how many at once, and a pause while writing so that
     writers overlap (a copy of a big batch)."""
 
-    def __init__(self, pause=0.002, slow=None):
-        self.pause, self.slow = pause, slow
+    def __init__(self, pause=0.002, slow=None, jitter=True):
+        self.pause, self.slow, self.jitter = pause, slow, jitter
         self.lock = threading.Lock()
         self.now = self.most = 0
         self.threads = Counter()
@@ -48,7 +48,7 @@ class WriteWatch:
                 if watch.slow is not None:
                     watch.slow()
                 elif watch.pause:
-                    time.sleep(watch.pause * random.random())
+                    time.sleep(watch.pause * (random.random() if watch.jitter else 1.0))
                 return watch._real(plan)
             finally:
                 with watch.lock:
@@ -122,7 +122,7 @@ def ordered_rows(n, threads, watch=None):
 
 def test_big_batches_are_written_by_several_threads_at_once_and_come_out_in_order(every_batch_outside_the_lock):
     n = 6000
-    with WriteWatch() as watch:
+    with WriteWatch(pause=0.003, jitter=False) as watch:  # (a copy that takes long: writers overlap)
         got = ordered_rows(n, 3, watch)
     reference = ordered_rows(n, 1)  # (one writer at a time)
     assert got == reference and sorted(got) == list(range(n))  # ordered=True: the very same order
