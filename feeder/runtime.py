@@ -301,10 +301,10 @@ class Runner:
         """At stop: let go of the device slots and pooled bindings (device memory is freed once no
         batch a consumer still runs refers to it), once the copies in flight are done (what they
         read must outlive them: a chunk's shared memory is unregistered and unmapped after)."""
-        if self.slots is not None:
-            self.slots.close()
         if self.transfer is not None:
             self.transfer.close()
+        if self.slots is not None:
+            self.slots.close()
         self._bindings.clear()
 
     # ---- the device path (feeder.device) ---------------------------------------------------------

@@ -540,9 +540,17 @@ def test_a_copy_keeps_what_it_reads_until_its_event_and_close_waits_for_it():
     assert alive() is None, "the memory a copy read was kept after the copy was done"
     assert np.array_equal(slot.buffers[0].numpy().view(np.float32)[:256], np.arange(256))
     other = np.ones(64, np.float32)
-    transfer.copy(slot, [(other,)])  # in flight at close: close waits for it
-    transfer.close()
-    assert not s.busy(slot.ptrs[0], 256) and s.copies == 2 and transfer.pending() == 0
+    transfer.copy(slot, [(other,)])  # in flight when the slot is let go (stop): its buffer must outlive it
+    ptr = slot.ptrs[0]
+    written = weakref.ref(slot.buffers[0])
+    ring.close()
+    del slot
+    gc.collect()
+    assert written() is not None, "a device buffer was let go while a copy into it was in flight"
+    transfer.close()  # waits for the copy in flight
+    assert not s.busy(ptr, 256) and s.copies == 2 and transfer.pending() == 0
+    gc.collect()
+    assert written() is None
 
 
 @pytest.mark.parametrize("consumers", [1, 3])

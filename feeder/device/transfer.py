@@ -134,7 +134,8 @@ class Transfer:
                         runtime.memcpy_async(ptr + offset, address(a), n, stream)
                     offset += n
             runtime.event_record(end, stream)
-            ticket = Ticket(self, start, end, (sources, keep), nbytes, now)
+            # What the copy reads and the buffers it writes live until it is done, whoever lets go first.
+            ticket = Ticket(self, start, end, (sources, slot.buffers, keep), nbytes, now)
             self._inflight.append(ticket)
             self.copied_bytes += nbytes
             self.copies += 1
