@@ -147,7 +147,8 @@ class FeedStats:
         device = runner.device_figures() if runner is not None else {"device_bytes": 0.0, "device_allocations": 0.0,
                                                                       "copy_s": 0.0}
         return {
-            "assemble_s": self.feed._assemble_s, **device,
+            # (batches the feed wrote, and those its fetcher threads wrote while coalescing small chunks)
+            "assemble_s": self.feed._assemble_s + sum(getattr(s, "assemble_s", 0.0) for s in w), **device,
             "consumer_run_s": c["run_s"], "consumer_between_s": c["between_s"],
             "fetch_s": sum(s.fetch_s for s in w), "fetch_blocked_s": sum(s.blocked_s for s in w),
             # running time: a fetcher parked by num_worker_threads="auto" is not a fetcher at work

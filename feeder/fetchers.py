@@ -60,7 +60,7 @@ class WorkerState:
 
     __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
                  "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
-                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters")
+                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters", "assemble_s")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
@@ -70,6 +70,7 @@ class WorkerState:
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
         self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
         self.copied_bytes = 0  # bytes this fetcher copied while coalescing
+        self.assemble_s = 0.0  # seconds it spent copying them (writing whole batches out of small chunks)
         # Stage times, seconds (see feeder.diagnosis): running time (the lifetime less the time
         # parked by num_worker_threads="auto"), inside fetch_fun, waiting for room in the source, and
         # CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the running time.
@@ -192,7 +193,8 @@ class Coalescer:
     """
 
     def __init__(self, state: WorkerState, source: ChunkQueue, axes: Sequence[int], batch_size: int,
-                 put: Callable[[Chunk], bool], allocate: Optional[Callable[..., np.ndarray]] = None):
+                 put: Callable[[Chunk], bool], allocate: Optional[Callable[..., np.ndarray]] = None,
+                 trace: Optional[TraceHook] = None):
         self.parked: List[bool] = []
         self.returned = threading.Event()
         # (allocate: a device feed's staging memory, which the device copies batches from as they are)
@@ -207,6 +209,7 @@ class Coalescer:
         self._state = state
         self._source = source
         self._put = put
+        self._trace = trace  # the coalescing copies are "assemble" spans on a trace
 
     def reclaim(self) -> None:
         """After the call: take the state back, waiting for a flusher that is using it."""
@@ -260,7 +263,17 @@ class Coalescer:
             if rb.pending_rows < bs:
                 self.held_since = time.monotonic() if rb.pending_rows else 0.0
                 return True
-        while (batch := rb.pop()) is not None:
+        state = self._state
+        while True:
+            t0 = time.monotonic()
+            batch = rb.pop()
+            if batch is None:
+                break
+            t1 = time.monotonic()
+            state.assemble_s += t1 - t0
+            tracer = self._trace.tracer if self._trace is not None else None
+            if tracer is not None:
+                tracer.span("assemble", t0, t1, rows=bs, coalesced=True)
             slots, self.unput = max(1, self.unput), 0
             if not self._put(Chunk(self._wid, tuple(batch), bs, slots)):
                 return False
@@ -471,7 +484,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     co = None
     if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
         co = Coalescer(state, source, validator.axes, batch_size(),
-                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate)
+                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
