@@ -809,6 +809,9 @@ class Feed:
         """
         batch, start, now = self._next_prepared(timeout)
         self.counters.took(batch.rows, batch.nbytes, now - start, start, now)
+        tracer = self._trace.tracer
+        if tracer is not None and now > start:
+            tracer.span("wait", start, now, rows=batch.rows)
         if batch.slot is not None:
             batch.release()  # handed out as host arrays: its device copy is not needed
         return batch.as_dict()  # (a batch that went to the device from shared memory is written now)

@@ -812,3 +812,58 @@ def test_a_trace_shows_fetch_assemble_copy_wait_and_run(tmp_path, coord, mode, m
     for _ in range(5):
         feed.run()  # no trace: nothing more recorded
     assert len(json.loads(path.read_text())["traceEvents"]) == len(events)
+
+
+def test_the_cuda_runtime_binding_against_a_c_stand_in(tmp_path):
+    """feeder.device.cudart.CudaRuntime, the ctypes binding used on a GPU, against a C library with the
+    CUDA runtime's signatures (tests/cudart_stub.c, whose soname is libcudart.so.13): found already
+    loaded (RTLD_NOLOAD, as after ONNX Runtime's CUDA provider loads the real one), the copy path of a
+    Transfer end to end, registration, errors named and the runtime's last error cleared."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    from feeder.device import DeviceMemory, SlotRing, Transfer
+    from feeder.device.cudart import CudaError, CudaRuntime
+
+    ort = pytest.importorskip("onnxruntime")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if CudaRuntime.loaded() is not None or not NO_CUDA:
+        # (the stub, once loaded, would be found where the CUDA provider looks for the real one)
+        pytest.skip("the CUDA provider is installed here: the real runtime is tested in test_gpu.py")
+    lib_path = tmp_path / "libcudart.so.13"
+    src = os.path.join(os.path.dirname(__file__), "cudart_stub.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcudart.so.13", "-o", str(lib_path), src],
+                   check=True)
+    stub = ctypes.CDLL(str(lib_path), mode=os.RTLD_GLOBAL)
+    stub.stub_copied.restype = ctypes.c_long
+    runtime = CudaRuntime.loaded()
+    assert runtime is not None and runtime.soname == "libcudart.so.13"
+    memory = DeviceMemory(Placement("cpu", 0, staged=True), ort, runtime)
+    transfer = Transfer(memory)
+    ring = SlotRing(memory, ["x"], 2)
+    staging = memory.host_array((3, 5), np.float32)  # pinned, through cudaHostAlloc
+    assert isinstance(staging.base, feeder.device._HostBuffer) and memory.fast(staging)
+    staging[:] = np.arange(15).reshape(3, 5)
+    slot = ring.acquire([staging.nbytes + 4])
+    pieces = (staging[:1], staging[1:])
+    ticket = transfer.copy(slot, [pieces])
+    ticket.wait()
+    assert ticket.done and stub.stub_copied() == staging.nbytes and stub.stub_device() == 0
+    assert np.array_equal(slot.buffers[0].numpy()[:staging.nbytes].view(np.float32), np.arange(15))
+    assert transfer.copy_s == pytest.approx(0.00025)  # the events' elapsed time
+    shared = np.zeros(4096, np.uint8)
+    undo = memory.register(shared.ctypes.data, shared.nbytes)
+    assert undo is not None and stub.stub_registered() == 1 and memory.fast(shared)
+    undo()
+    undo()  # once only
+    assert stub.stub_registered() == 0 and not memory.fast(shared)
+    with pytest.raises(CudaError, match=r"cudaHostRegister failed: CUDA error 1 \(invalid argument\)"):
+        runtime.host_register(0, 0)
+    assert stub.stub_last_error() == 0  # cleared: ONNX Runtime's own checks must not see it
+    assert memory.register(0, 0) is None  # a segment that cannot be registered is staged instead
+    transfer.close()
+    del staging, pieces, ticket
