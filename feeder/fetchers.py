@@ -211,6 +211,10 @@ class Coalescer:
         self._put = put
         self._trace = trace  # the coalescing copies are "assemble" spans on a trace
 
+    def tracer(self) -> Any:
+        """The feed's active trace, or None."""
+        return self._trace.tracer if self._trace is not None else None
+
     def reclaim(self) -> None:
         """After the call: take the state back, waiting for a flusher that is using it."""
         try:
@@ -271,7 +275,7 @@ class Coalescer:
                 break
             t1 = time.monotonic()
             state.assemble_s += t1 - t0
-            tracer = self._trace.tracer if self._trace is not None else None
+            tracer = self.tracer()
             if tracer is not None:
                 tracer.span("assemble", t0, t1, rows=bs, coalesced=True)
             slots, self.unput = max(1, self.unput), 0
@@ -443,6 +447,9 @@ def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
                 return raw, None, t0
             t1 = monotonic()
             fetch_s += t1 - t0
+            tracer = co.tracer()
+            if tracer is not None:
+                tracer.span("fetch", t0, t1)
             if t1 - t0 > COALESCE_SLOW_CALL_S or t1 > deadline:
                 return raw, None, t0
             if single is not None:  # one input, its dtype and row shape known: no validator call
