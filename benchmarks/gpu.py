@@ -349,7 +349,8 @@ class Bench:
         def issue(slot: Any) -> Any:
             parts = tuple(chunks[int(rng.integers(0, n))] for _ in range(self.per_batch))
             return transfer.copy(slot, [parts]), None
-        label = "reference: slices in " + ("registered shared memory" if registered else "pinned memory") +             ", copies at offsets"
+        where = "registered shared memory" if registered else "pinned memory"
+        label = f"reference: slices in {where}, copies at offsets"
         try:
             return self._ref_loop(label, issue, transfer, slots)
         finally:

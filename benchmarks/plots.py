@@ -205,7 +205,7 @@ PLOTS: Dict[str, Callable] = {
     "perf-crossover.svg": crossover,
     "perf-sweeps.svg": sweeps,
     "perf-predict.svg": predict,
-    "gpu-trace.svg": trace,
+    "perf-gpu-trace.svg": trace,
 }
 
 

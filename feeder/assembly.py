@@ -83,7 +83,7 @@ class Assembly:
         """Deferred batches nobody writes yet (lock-free read)."""
         return len(self._todo)
 
-    def work(self, write: Callable[[int, Any], None]) -> int:
+    def work(self, write: Callable[[int, Any], Any]) -> int:
         """Write deferred batches in this thread while there are any and fewer than ``threads`` threads
         write; ``write(place, work)`` must call :meth:`complete` or :meth:`fail` for its place and
         never raise. Returns how many it wrote."""

@@ -36,7 +36,7 @@ from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Plan, Rebatcher
 from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner
-from .trace import Tracer, TraceHook
+from .trace import TraceHook, Tracer
 from .tuning import Throttle, Tuner
 from .validation import ChunkValidator, InputSpec
 

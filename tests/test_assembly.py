@@ -12,12 +12,12 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from utils import Dataset, Sharded, workers
 
 import feeder
 import feeder.feed
 from feeder.assembly import Assembly
 from feeder.rebatcher import Plan
-from utils import Dataset, Sharded, workers
 
 try:
     from feeder.sources import ArraySource

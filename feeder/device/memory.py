@@ -24,7 +24,7 @@ import bisect
 import logging
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -236,7 +236,7 @@ class Slot:
         self.binding = binding
         self.busy = True
         self.bound: List[Any] = [None] * len(buffers)  # per input: the (dtype, shape) bound now
-        self.outputs: dict = {}  # fixed device outputs by output list (CUDA graphs)
+        self.outputs: Dict[Any, List[Any]] = {}  # fixed device outputs by output list (CUDA graphs)
         self.run_options: Any = None  # its own RunOptions naming its CUDA graph (gpu_graph_id = index)
         self.graph_shapes: Any = None  # the input shapes its CUDA graph was captured with
         self.ticket: Any = None  # the copy into it last issued (feeder.device.transfer.Ticket)

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Sequence, Tuple
 
 import numpy as np
 
