@@ -331,11 +331,14 @@ class Runner:
     def device_figures(self) -> Dict[str, float]:
         """device_bytes (device memory held now), device_allocations (device buffers allocated so far),
         copy_s (seconds the device spent copying batches); zeros off a device."""
-        if self.transfer is None:
+        transfer = self.transfer
+        if transfer is None and self._custom:  # a StatefulSession's own (shared by its feeds)
+            transfer = getattr(self.session, "_transfer", None)
+        if transfer is None:
             return {"device_bytes": 0.0, "device_allocations": 0.0, "copy_s": 0.0}
-        memory = self.transfer.memory
+        memory = transfer.memory
         return {"device_bytes": float(memory.device_bytes), "device_allocations": float(memory.allocations),
-                "copy_s": float(self.transfer.copy_s)}
+                "copy_s": float(transfer.copy_s)}
 
     def _place(self, batch: PreparedBatch) -> None:
         """Copy the batch into a device slot (asynchronously, on a stream) and bind its inputs there

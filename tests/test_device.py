@@ -771,9 +771,11 @@ def test_stateful_session_copies_its_batches_on_its_stream(monkeypatch):
                 except StopIteration:
                     break
                 losses.append(float(loss))
+            figures = feed.metrics()
         results[device] = (losses, adapter.state())
     assert results["cpu"][0] == results[STAGED][0]
     assert stand_in.copies > 0 and not stand_in.violations
+    assert figures["copy_s"] > 0 and figures["device_allocations"] > 0
     assert any(call == "cudaEventSynchronize" for call, _, _ in stand_in.calls)
     del adapter
     gc.collect()  # the adapter's stream (here a stand-in's thread) goes with the adapter

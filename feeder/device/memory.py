@@ -127,6 +127,7 @@ class DeviceMemory:
         dtype = np.dtype(dtype)
         if self._pinned and dtype.kind in "biufc" and self.runtime is not None:
             try:
+                self.runtime.set_device(self.placement.index)  # (per thread: allocations are the device's)
                 return np.asarray(_HostBuffer(self.runtime, self.ranges, tuple(shape), dtype))
             except Exception as e:  # noqa: BLE001 - any failure: pageable memory, slower, never wrong
                 self._pinned = False
@@ -147,6 +148,7 @@ class DeviceMemory:
         if runtime is None:
             return None
         try:
+            runtime.set_device(self.placement.index)
             runtime.host_register(ptr, nbytes)
         except Exception as e:  # noqa: BLE001
             if not self._said:

@@ -256,6 +256,10 @@ class Transfer:
         runtime = self.runtime
         if runtime is None:
             return
+        try:
+            runtime.set_device(self.index)
+        except Exception:  # noqa: BLE001
+            pass
         for e in made:
             try:
                 runtime.event_destroy(e)
