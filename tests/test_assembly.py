@@ -265,3 +265,27 @@ def test_stop_does_not_wait_for_a_batch_being_written_and_the_books_balance_afte
     assert feed._check_ledger("after the writer")
     m = feed.metrics()
     assert m["source_rows_fetched"] == m["source_rows_delivered"] + m["source_rows_discarded"]
+
+
+def test_a_failure_while_writing_a_batch_fails_the_feed_sticky_and_the_books_balance(every_batch_outside_the_lock):
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    calls = Counter()
+
+    def slow():
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise MemoryError("no memory for a batch")
+
+    feeder.init_data_input_workers(None, ["id", "x"], Dataset(10**6, sizes=(5, 7)), 16, num_worker_threads=2,
+                                   coordinator=coord, timeout=30)
+    with WriteWatch(slow=slow):
+        with coord:
+            feed = coord.feed("train")
+            with pytest.raises(feeder.FeederError, match="writing a batch failed.*MemoryError") as e:
+                for _ in range(100):
+                    feed.next_batch()
+            assert isinstance(e.value.__cause__, MemoryError)
+            with pytest.raises(feeder.FeederError, match="writing a batch failed"):
+                feed.next_batch()  # sticky
+    m = feed.metrics()
+    assert m["source_rows_fetched"] == m["source_rows_delivered"] + m["source_rows_discarded"]

@@ -869,3 +869,37 @@ def test_the_cuda_runtime_binding_against_a_c_stand_in(tmp_path):
     assert memory.register(0, 0) is None  # a segment that cannot be registered is staged instead
     transfer.close()
     del staging, pieces, ticket
+
+
+def test_cuda_graph_bookkeeping_runs_each_slot_at_one_shape_and_never_moves_it(coord):
+    """The CUDA-graph path (a graph per slot, for the first full batch shape it runs, its outputs in
+    fixed buffers of its own) exercised on the CPU: the provider ignores gpu_graph_id, feeder's
+    bookkeeping is the same. A slot that runs a graph keeps its addresses and its shape; the short last
+    batch runs without a graph; outputs are right, host and device."""
+    n = 16 * 60 + 5
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, None, IdRows(n), 16, num_worker_threads=2, coordinator=coord, timeout=60,
+                                   device=STAGED)
+    runner = coord.feed("train")._runner
+    runner._graph = True
+    addresses = {}
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        k = 0
+        while True:
+            outputs = "device" if k % 3 else "host"
+            k += 1
+            try:
+                a, b = feed.run(["a", "b"], outputs=outputs)
+            except StopIteration:
+                break
+            a, b = (o.numpy() if outputs == "device" else o for o in (a, b))
+            np.testing.assert_array_equal(b, 2 * a)
+            seen.extend(a[:, 0].astype(int).tolist())
+            for slot in runner.slots._slots:
+                if slot.graph_shapes is not None:
+                    assert slot.graph_shapes == ((16, 2),)
+                    assert addresses.setdefault(slot.index, tuple(slot.ptrs)) == tuple(slot.ptrs), "a graph's slot moved"
+    assert sorted(seen) == list(range(n))
+    assert addresses, "no slot ran as a graph"
