@@ -900,6 +900,7 @@ def test_cuda_graph_bookkeeping_runs_each_slot_at_one_shape_and_never_moves_it(c
             for slot in runner.slots._slots:
                 if slot.graph_shapes is not None:
                     assert slot.graph_shapes == ((16, 2),)
-                    assert addresses.setdefault(slot.index, tuple(slot.ptrs)) == tuple(slot.ptrs), "a graph's slot moved"
+                    first = addresses.setdefault(slot.index, tuple(slot.ptrs))
+                    assert first == tuple(slot.ptrs), "a graph's slot moved"
     assert sorted(seen) == list(range(n))
     assert addresses, "no slot ran as a graph"
