@@ -570,7 +570,8 @@ class Feed:
                 plan.views = None
                 rb.copied_bytes += plan.nbytes
                 rb.copied_batches += 1
-                rb.zero_copy_batches -= 1
+                if not self.dont_rebatch:  # (the rebatcher counted it as handed on without a copy)
+                    rb.zero_copy_batches -= 1
         rb.buffers(plan, use_ring=plan.rows == rb.batch_size or self.dont_rebatch)
 
     def _size_for(self, plan: Any) -> None:

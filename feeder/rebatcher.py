@@ -207,7 +207,7 @@ class Plan:
     def whole(cls, arrays: Sequence[np.ndarray], rows: int, axes: Sequence[int]) -> "Plan":
         """A batch that is these arrays as they are (no copy: ``dont_rebatch``)."""
         views = list(arrays)
-        return cls(rows, axes, None, views, [a.shape for a in views], [a.dtype for a in views])
+        return cls(rows, axes, [(v,) for v in views], views, [a.shape for a in views], [a.dtype for a in views])
 
     @property
     def copy_nbytes(self) -> int:
