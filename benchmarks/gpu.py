@@ -9,8 +9,15 @@ for ``--seconds`` after a warm-up, in one process, one after the other:
   output left there: the limit;
 - session.run from host: ``session.run`` on host numpy batches (4 in turn);
 - serial loop: fetch 4 slices, concatenate, ``session.run``;
-- feeder, 2 threads / 4 threads / 4 processes: ``feed.run(outputs="device")`` (the output left on
-  the device, as in the limit);
+- feeder, 2 / 4 / 8 threads, 4 / 8 processes: ``feed.run(outputs="device")`` (the output left on
+  the device, as in the limit); "-host" columns with ``outputs="host"`` (numpy outputs);
+- reference designs, written from feeder's own device code (``feeder.device``: its CUDA runtime
+  interface, pinned staging, slots, a stream of its own), without feeder's feed around them:
+  "ref-pin-4t": 4 threads fill reused pinned buffers, copies issued on an own stream one batch
+  ahead into 4 slots, event wait, run; "ref-dma": slices already in pinned memory, each batch
+  assembled by 4 asynchronous copies at offsets (no CPU copy); "ref-dma-shm": the same from a
+  memfd mapping registered with the CUDA runtime (a worker process's shared memory). On the CPU
+  provider they run on the stand-in of the CUDA runtime (copies are memmoves);
 - hand loop, 2 copy threads: two Python threads copy the next batches into new device OrtValues
   (``ortvalue_from_numpy(x, "cuda", 0)``), the main thread binds and runs;
 - hand loop, pinned + side stream: two Python threads fill 8 reused pinned torch buffers, the main
@@ -24,9 +31,14 @@ for ``--seconds`` after a warm-up, in one process, one after the other:
     python benchmarks/gpu.py --probe                         # also: copy speeds, the GIL held by a copy
     python benchmarks/gpu.py --small --provider cpu          # anywhere: small images on the CPU provider
     python benchmarks/gpu.py --small --provider cpu --device cpu:staged   # feeder's device path on the CPU
+    python benchmarks/gpu.py --small --provider cpu --device cpu:staged --columns feeder-2t \
+        --trace benchmarks/results/trace-cpu-staged.json     # a trace of 30 batches (docs/gpu.md's picture)
 
 Results go to ``benchmarks/results/gpu-<provider>.json`` (``--json``) with the date, the command,
-the device and the versions. Ratios carry over between machines better than images/s.
+the device and the versions, the images/s of each column, and ``targets``: the issue's ratios
+(feeder with 4 threads and 4 processes against the model alone, ``session.run`` from host, the torch
+side-stream loop and the DataLoader), each with its goal and whether it was met. Ratios carry over
+between machines better than images/s.
 """
 from __future__ import annotations
 
@@ -124,6 +136,8 @@ class Bench:
         self.batch = args.batch
         self.per_batch = args.batch // args.slice
         self.host = [np.concatenate([self.fetch(0, self.batch)[0] for _ in range(self.per_batch)]) for _ in range(4)]
+        self.diagnoses: Dict[str, str] = {}
+        self.traced = False
 
     def make_session(self, graph: bool) -> Any:
         ort = self.ort
@@ -189,7 +203,7 @@ class Bench:
             return self.batch
         return self.timed(step, "serial loop")
 
-    def feeder(self, threads: int = 0, processes: int = 0) -> float:
+    def feeder(self, threads: int = 0, processes: int = 0, outputs: str = "device") -> float:
         coord = feeder.GlobalCoordinator()
         kind = {"num_worker_processes": processes} if processes else {"num_worker_threads": threads}
         feeder.init_data_input_workers(self.graph_session, ["x"], Slices(self.args.pool, self.args.image,
@@ -197,13 +211,154 @@ class Bench:
                                        self.batch, coordinator=coord, timeout=120, log_interval=3600.0,
                                        device=self.args.device, **kind)
         label = f"feeder, {processes} processes" if processes else f"feeder, {threads} threads"
+        label += f", outputs={outputs}"
         with coord:
             feed = coord.feed("train")
 
             def step() -> int:
-                feed.run(outputs="device")
+                feed.run(outputs=outputs)
                 return self.batch
+            rate = self.timed(step, label)
+            key = f"feeder-{processes}p" if processes else f"feeder-{threads}t"
+            self.diagnoses[key + ("" if outputs == "device" else "-host")] = feed.diagnose()
+            if self.args.trace and not self.traced:
+                self.traced = True
+                with feed.trace(self.args.trace):
+                    for _ in range(30):
+                        step()
+                print(f"  trace of 30 batches written to {self.args.trace}", file=sys.stderr)
+            return rate
+
+    # ---- reference designs, from feeder's own device code (no feed around it) ---------------------------
+    def _device_parts(self) -> Any:
+        """feeder's CUDA runtime interface (the stand-in on the CPU provider), device memory, a transfer
+        on an own stream, and 4 slots bound once, each with its binding and the output bound."""
+        from feeder.device import DeviceMemory, Placement, SlotRing, StandIn, Transfer
+        from feeder.device.cudart import CudaRuntime
+
+        cuda = self.dev[0] == "cuda"
+        placement = Placement("cuda", self.dev[1]) if cuda else Placement("cpu", 0, staged=True)
+        runtime = CudaRuntime.loaded() if cuda else StandIn()
+        if runtime is None:
+            raise RuntimeError("no CUDA runtime is loaded in this process")
+        memory = DeviceMemory(placement, self.ort, runtime)
+        transfer = Transfer(memory)
+        sess = self.graph_session
+
+        def binding() -> Any:
+            b = sess.io_binding()
+            b.bind_output("y", *self.dev)
+            return b
+
+        ring = SlotRing(memory, ["x"], 4, make_binding=binding)
+        shape = (self.batch, 3, self.args.image, self.args.image)
+        slots = [ring.acquire([int(np.prod(shape))]) for _ in range(4)]
+        for slot in slots:
+            slot.bind_inputs(["x"], [(np.dtype(np.uint8), shape)], self.dev)
+        return memory, transfer, slots, shape
+
+    def _ref_loop(self, label: str, issue: Callable[[Any], Any], transfer: Any, slots: List[Any]) -> float:
+        """Issue the copies of batch n+1, wait for batch n's, run it: the reference's consumer."""
+        sess = self.graph_session
+        state: Dict[str, Any] = {"i": 0}
+
+        def next_copy() -> Any:
+            slot = slots[state["i"] % len(slots)]
+            state["i"] += 1
+            return slot, issue(slot)
+
+        state["next"] = next_copy()
+
+        def step() -> int:
+            slot, (ticket, done) = state["next"]
+            state["next"] = next_copy()  # the next batch's copy, issued before this one runs
+            ticket.wait()
+            if done is not None:
+                done()
+            sess.run_with_iobinding(slot.binding)
+            return self.batch
+        try:
             return self.timed(step, label)
+        finally:
+            transfer.close()
+
+    def ref_pinned_threads(self, k: int = 4) -> float:
+        """K threads fill reused pinned buffers (numpy copies release the GIL); the consumer issues each
+        batch's copy on an own stream one batch ahead into one of 4 slots, waits on its event, runs."""
+        memory, transfer, slots, shape = self._device_parts()
+        pinned = [memory.host_array(shape, np.uint8) for _ in range(8)]
+        free: "queue.Queue[int]" = queue.Queue()
+        filled: "queue.Queue[int]" = queue.Queue()
+        for i in range(len(pinned)):
+            free.put(i)
+        stop = threading.Event()
+        s = self.args.slice
+
+        def filler(seed: int) -> None:
+            fetch = Slices(self.args.pool, self.args.image, s, seed=seed)
+            while not stop.is_set():
+                try:
+                    i = free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                for j in range(self.per_batch):
+                    np.copyto(pinned[i][j * s:(j + 1) * s], fetch(0, self.batch)[0])
+                filled.put(i)
+
+        threads = [threading.Thread(target=filler, args=(11 + t,), daemon=True) for t in range(k)]
+        for t in threads:
+            t.start()
+
+        def issue(slot: Any) -> Any:
+            i = filled.get()
+            return transfer.copy(slot, [(pinned[i],)]), lambda: free.put(i)
+        try:
+            return self._ref_loop(f"reference: {k} threads fill pinned buffers, own stream", issue, transfer,
+                                  slots)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
+
+    def ref_dma(self, registered: bool = False) -> float:
+        """Slices already in pinned (or registered) memory: each batch is 4 asynchronous copies at
+        offsets into a slot, no CPU copy at all."""
+        import mmap
+
+        memory, transfer, slots, shape = self._device_parts()
+        n, s = 32, self.args.slice
+        chunk = (s, 3, self.args.image, self.args.image)
+        keep: List[Any] = []
+        if registered:
+            size = n * int(np.prod(chunk))
+            fd = os.memfd_create("feeder-gpu-bench")
+            os.ftruncate(fd, size)
+            mem = mmap.mmap(fd, size)
+            os.close(fd)
+            arr = np.frombuffer(mem, np.uint8)
+            undo = memory.register(arr.ctypes.data, size)
+            chunks = [arr[i * arr.size // n:(i + 1) * arr.size // n].reshape(chunk) for i in range(n)]
+            keep += [mem, arr]
+        else:
+            chunks = [memory.host_array(chunk, np.uint8) for _ in range(n)]
+        fetch = Slices(self.args.pool, self.args.image, s, seed=5)
+        for c in chunks:
+            np.copyto(c, fetch(0, self.batch)[0])
+        rng = np.random.default_rng(5)
+
+        def issue(slot: Any) -> Any:
+            parts = tuple(chunks[int(rng.integers(0, n))] for _ in range(self.per_batch))
+            return transfer.copy(slot, [parts]), None
+        where = "registered shared memory" if registered else "pinned memory"
+        label = f"reference: slices in {where}, copies at offsets"
+        try:
+            return self._ref_loop(label, issue, transfer, slots)
+        finally:
+            if registered:
+                del chunks, arr
+                if undo is not None:
+                    undo()  # before the mapping goes (feeder.device.cudart: error 208 otherwise)
+                keep.clear()
 
     def hand_copy_threads(self) -> float:
         """Two Python threads copy the next batches into new device OrtValues; this thread runs."""
@@ -436,6 +591,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of each column before measuring")
     ap.add_argument("--columns", nargs="*", help="a subset of the column keys (see COLUMNS)")
     ap.add_argument("--json", default=None, help="results file (default benchmarks/results/gpu-<provider>.json)")
+    ap.add_argument("--trace", default=None, help="write a trace of 30 batches of the first feeder column there "
+                                                  "(feed.trace: open it in ui.perfetto.dev)")
     args = ap.parse_args(argv)
     args.batch, args.image, args.slice, args.pool = (8, 64, 2, 256) if args.small else (64, 224, 16, 1024)
     try:
@@ -446,18 +603,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     columns: Dict[str, Callable[[], Optional[float]]] = {
         "limit": bench.model_alone, "host": bench.session_run, "serial": bench.serial,
         "feeder-2t": lambda: bench.feeder(threads=2), "feeder-4t": lambda: bench.feeder(threads=4),
-        "feeder-4p": lambda: bench.feeder(processes=4), "hand-2t": bench.hand_copy_threads,
+        "feeder-8t": lambda: bench.feeder(threads=8), "feeder-4p": lambda: bench.feeder(processes=4),
+        "feeder-8p": lambda: bench.feeder(processes=8),
+        "feeder-4t-host": lambda: bench.feeder(threads=4, outputs="host"),
+        "feeder-4p-host": lambda: bench.feeder(processes=4, outputs="host"),
+        "ref-pin-4t": bench.ref_pinned_threads, "ref-dma": bench.ref_dma,
+        "ref-dma-shm": lambda: bench.ref_dma(registered=True),
+        "hand-2t": bench.hand_copy_threads,
         "hand-pinned": bench.hand_pinned_stream if have_torch else (lambda: None),
         "dataloader": bench.dataloader if have_torch else (lambda: None),
     }
     wanted = args.columns or list(columns)
+    unknown = [k for k in wanted if k not in columns]
+    if unknown:
+        ap.error(f"unknown columns {unknown}; columns: {list(columns)}")
     print(f"{device_name()}, {bench.session.get_providers()[0]}, batch {args.batch} x 3 x {args.image}^2 uint8 "
           f"({bench.host[0].nbytes / 1e6:.1f} MB), slices of {args.slice}", file=sys.stderr)
     rates: Dict[str, Optional[float]] = {}
+    errors: Dict[str, str] = {}
     for key in wanted:
-        rates[key] = columns[key]()
+        try:
+            rates[key] = columns[key]()
+        except Exception as e:  # noqa: BLE001 - one column's failure is a result, the others still run
+            rates[key] = None
+            errors[key] = f"{type(e).__name__}: {e}"
+            print(f"  {key:<40} failed: {errors[key]}", file=sys.stderr)
+            continue
         if rates[key] is None:
             why = "torch is not installed" if not have_torch else "needs torch with CUDA"
+            errors[key] = f"skipped: {why}"
             print(f"  {key:<40} skipped ({why})", file=sys.stderr)
     probe = bench.probe() if args.probe else None
     limit = rates.get("limit")
@@ -465,12 +639,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     lines = ["| column | images/s | x model alone on device inputs | x session.run from host |", "|---|---|---|---|"]
     for key, rate in rates.items():
         if rate is None:
-            lines.append(f"| {key} | skipped | - | - |")
+            lines.append(f"| {key} | {errors.get(key, 'skipped')} | - | - |")
             continue
         r1 = f"{rate / limit:.2f}" if limit else "-"
         r2 = f"{rate / host:.2f}" if host else "-"
         lines.append(f"| {key} | {rate:,.0f} | {r1} | {r2} |")
     print("\n".join(lines))
+    found = targets(rates, args.cuda_graph)
+    for name, t in found.items():
+        print(f"  target {name}: {t['ratio']:.2f} (goal >= {t['goal']}){'' if t['met'] else '  NOT MET'}",
+              file=sys.stderr)
     import onnxruntime
 
     meta = {"date": datetime.date.today().isoformat(), "command": "python benchmarks/gpu.py " + " ".join(
@@ -478,14 +656,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         "provider": bench.session.get_providers()[0], "feeder device": str(bench.placement) if args.device is None
         else args.device, "cuda_graph": args.cuda_graph, "onnxruntime": onnxruntime.__version__,
         "numpy": np.__version__, "python": platform.python_version(), "seconds": args.seconds,
-        "batch": args.batch, "image": args.image, "slice": args.slice}
+        "batch": args.batch, "image": args.image, "slice": args.slice, "cpu_count": os.cpu_count()}
     path = args.json or os.path.join(HERE, "results", f"gpu-{'cuda' if bench.dev[0] == 'cuda' else 'cpu'}"
                                                       f"{'-small' if args.small else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"meta": meta, "images_per_s": rates, "probe": probe}, f, indent=2)
+        json.dump({"meta": meta, "images_per_s": rates, "ratios_to_limit": {
+            k: round(v / limit, 3) for k, v in rates.items() if v is not None and limit and k != "limit"},
+            "targets": found, "errors": errors, "diagnose": bench.diagnoses, "probe": probe}, f, indent=2)
     print(f"written to {path}", file=sys.stderr)
     return 0
+
+
+# The issue's targets (issue 33): feeder with 4 threads and 4 processes against each reference.
+TARGETS = [
+    ("feeder-4t / limit", "feeder-4t", "limit", 0.92), ("feeder-4p / limit", "feeder-4p", "limit", 0.92),
+    ("feeder-4t-host / limit", "feeder-4t-host", "limit", 0.92),
+    ("feeder-4p-host / limit", "feeder-4p-host", "limit", 0.92),
+    ("feeder-4t / session.run from host", "feeder-4t", "host", 2.5),
+    ("feeder-4p / session.run from host", "feeder-4p", "host", 2.5),
+    ("feeder-4t / torch pinned side-stream loop", "feeder-4t", "hand-pinned", 1.3),
+    ("feeder-4p / torch pinned side-stream loop", "feeder-4p", "hand-pinned", 1.3),
+    ("feeder-4t / DataLoader(pin_memory=True)", "feeder-4t", "dataloader", 7.0),
+    ("feeder-4p / DataLoader(pin_memory=True)", "feeder-4p", "dataloader", 7.0),
+]
+
+
+def targets(rates: Dict[str, Optional[float]], cuda_graph: bool) -> Dict[str, Dict[str, Any]]:
+    """Each target whose two columns ran: the ratio, the goal, whether it was met. (With
+    ``--cuda-graph`` the same ratios are those of enable_cuda_graph: "the same or better".)"""
+    out = {}
+    for name, num, den, goal in TARGETS:
+        a, b = rates.get(num), rates.get(den)
+        if a and b:
+            ratio = a / b
+            out[name + (" (enable_cuda_graph)" if cuda_graph else "")] = {
+                "ratio": round(ratio, 3), "goal": goal, "met": ratio >= goal}
+    return out
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 27 in one command, on a machine with a CUDA GPU:
+# The GPU checks of issues 27 and 33 in one command, on a machine with a CUDA GPU:
 #   1. onnxruntime-gpu from a wheel, if WHEEL_DIR holds one (or its parts, split -b 52m, named
 #      onnxruntime_gpu-*.whl.part-*), installed into a folder of its own put first on PYTHONPATH;
 #   2. the CUDA and cuDNN libraries of the nvidia-* wheels (a CUDA build of torch brings them) on
 #      LD_LIBRARY_PATH, as onnxruntime-gpu needs them;
-#   3. the GPU tests (tests/test_gpu.py), then benchmarks/gpu.py with and without CUDA graphs.
+#   3. the GPU tests (tests/test_gpu.py), then benchmarks/gpu.py with and without CUDA graphs (every
+#      column: the model alone, session.run from host, feeder with 2/4/8 threads and 4/8 processes,
+#      outputs on the device and on the host, the reference designs, the torch loops when torch has
+#      CUDA), a trace of feeder on the GPU, and the issue's targets (the "targets" of the JSON).
 #
 #   bash benchmarks/gpu_checks.sh [WHEEL_DIR] [RESULTS_DIR]
 #
-# Results (JSON and the logs) go to RESULTS_DIR (default benchmarks/results). Run from the
-# repository root. Takes about 3 minutes on an H100 or H200.
+# Results (JSON, the trace and the logs) go to RESULTS_DIR (default benchmarks/results): commit them,
+# and the figures into docs/gpu.md. Run from the repository root. Takes about 5 minutes on an H100.
 set -uo pipefail
 WHEEL_DIR="${1:-}"
 RESULTS="${2:-benchmarks/results}"
@@ -53,8 +56,20 @@ echo "== GPU tests"
 tests=${PIPESTATUS[0]}
 
 echo "== benchmarks/gpu.py"
-"$PY" benchmarks/gpu.py --seconds 4 --warmup 2 --probe --json "$RESULTS/gpu-cuda.json" 2>&1 \
-    | tee "$RESULTS/gpu-bench.log"
-"$PY" benchmarks/gpu.py --seconds 4 --warmup 2 --cuda-graph --columns limit feeder-2t feeder-4t feeder-4p \
-    --json "$RESULTS/gpu-cuda-graph.json" 2>&1 | tee "$RESULTS/gpu-bench-graph.log"
+"$PY" benchmarks/gpu.py --seconds 4 --warmup 2 --probe --json "$RESULTS/gpu-cuda.json" \
+    --trace "$RESULTS/trace-cuda.json" 2>&1 | tee "$RESULTS/gpu-bench.log"
+"$PY" benchmarks/gpu.py --seconds 4 --warmup 2 --cuda-graph --columns limit host feeder-2t feeder-4t feeder-4p \
+    feeder-4t-host feeder-4p-host --json "$RESULTS/gpu-cuda-graph.json" 2>&1 | tee "$RESULTS/gpu-bench-graph.log"
+
+echo "== the issue's targets"
+"$PY" - "$RESULTS/gpu-cuda.json" "$RESULTS/gpu-cuda-graph.json" <<'EOF'
+import json, sys
+for path in sys.argv[1:]:
+    data = json.load(open(path))
+    print(path, data["meta"]["device"], data["meta"]["provider"])
+    for name, t in data.get("targets", {}).items():
+        print(f"  {name:55s} {t['ratio']:6.2f}  goal >= {t['goal']:<5}  {'met' if t['met'] else 'NOT MET'}")
+    for key, why in data.get("errors", {}).items():
+        print(f"  {key}: {why}")
+EOF
 exit "$tests"

@@ -165,11 +165,47 @@ def predict(plt) -> object:
     return fig
 
 
+def trace(plt) -> object:
+    """docs/gpu.md, "Reading a trace": the trace of 30 batches of a device feed on the CPU
+    (``cpu:staged``, benchmarks/gpu.py --small --trace), one row per thread, one bar per span."""
+    data = load("trace-cpu-staged.json")["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in data if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in data if e["ph"] == "X"]
+    t0 = min(e["ts"] for e in spans)
+
+    def label(tid: int) -> str:
+        name = names[tid]
+        return "consumer (run, wait)" if name == "MainThread" else name.replace("feeder:train:", "")
+
+    order = sorted(names, key=lambda t: (names[t] != "MainThread", "stream" in names[t], names[t]))
+    colors = {"fetch": GREY, "assemble": ORANGE, "copy": PURPLE, "wait": "#e53935", "run": GREEN}
+    fig, ax = plt.subplots(figsize=(7.2, 2.8))
+    for row, tid in enumerate(order):
+        for name, color in colors.items():
+            bars = [((e["ts"] - t0) / 1000, max(e["dur"], 5.0) / 1000) for e in spans
+                    if e["tid"] == tid and e["name"] == name]
+            if bars:
+                edge = {"edgecolor": "white", "linewidth": 0.4} if name in ("run", "wait") else {}  # batch by batch
+                ax.broken_barh(bars, (row - 0.35, 0.7), facecolor=color, label=name, **edge)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend([seen[k] for k in colors if k in seen], [k for k in colors if k in seen], loc="upper center",
+              bbox_to_anchor=(0.5, -0.22), ncol=5, fontsize=7, frameon=False)
+    ax.set_yticks(range(len(order)))
+    ax.set_yticklabels([label(t) for t in order], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds")
+    ax.set_title("A trace of 30 batches, device path on the CPU (results/trace-cpu-staged.json)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 PLOTS: Dict[str, Callable] = {
     "perf-alternatives.svg": alternatives,
     "perf-crossover.svg": crossover,
     "perf-sweeps.svg": sweeps,
     "perf-predict.svg": predict,
+    "perf-gpu-trace.svg": trace,
 }
 
 

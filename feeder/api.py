@@ -80,6 +80,7 @@ def init_data_input_workers(
     mask_names: Optional[Dict[str, str]] = None,
     keep: Optional[Sequence[str]] = None,
     replica: bool = False,
+    assemble_threads: Optional[int] = None,
 ) -> GlobalCoordinator:
     """Register a fetch function feeding ``batch_size``-row batches of ``input_names`` to ``session``.
 
@@ -179,6 +180,10 @@ def init_data_input_workers(
         replica: True says that registering a source name this coordinator already has is meant
             (another data-parallel replica of it); without it, the first such registration of a
             name logs a WARNING saying what it does. Registering again adds a replica either way.
+        assemble_threads: How many threads at most write big batches (1 MiB or more to copy) at once,
+            each outside the feed's lock while the next batch is planned: the threads that pass by
+            (fetchers, receivers, the enqueuer, a consumer with nothing ready) do it, no thread is
+            added. None (>= 1 otherwise): the machine's cores, up to 4. Batches stay in their order.
 
     Returns:
         The coordinator the feed was registered on (the same object every time): call
@@ -232,6 +237,8 @@ def init_data_input_workers(
         raise ValueError("worker_init_fun, mp_context and seed apply to worker processes only "
                          "(num_worker_processes > 0)")
     max_buffered_batches = int_arg("max_buffered_batches", max_buffered_batches, 1)
+    if assemble_threads is not None:
+        assemble_threads = int_arg("assemble_threads", assemble_threads, 1)
     max_fetch_errors = int_arg("max_fetch_errors", max_fetch_errors, 0)
     if max_buffered_bytes is not None:
         max_buffered_bytes = int_arg("max_buffered_bytes", max_buffered_bytes, 1)
@@ -331,7 +338,7 @@ def init_data_input_workers(
                     init_fun=init_fun, external_loggers=loggers, dont_rebatch=dont_rebatch, timeout=timeout,
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
-                    placement=placement, padding=padding, kept=kept)
+                    placement=placement, padding=padding, kept=kept, assemble_threads=assemble_threads)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,

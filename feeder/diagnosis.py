@@ -16,6 +16,10 @@ How it decides (shares of the consumer's time, which is what the runtime sees):
   ``max_buffered_batches``) or the enqueuer is the bottleneck; CPU-bound fetchers next to an
   ONNX Runtime session with several intra-op threads: fewer intra-op threads (spinning pool
   threads take the fetchers' core).
+  Before the fetchers, the stages between them and the runtime: writing batches on the host
+  (``assemble_s``, by up to ``assemble_threads`` threads at once) and, on a device, copying them
+  there (``copy_s``, one stream): the most used of fetch, assemble and copy is named, with its
+  share; a copy- or assemble-bound feed is never advised more fetchers.
 * model-bound: ``run()`` takes the largest share; feeding keeps up.
 * consumer-bound: the consumer's own code between calls takes the largest share.
 """
@@ -28,6 +32,8 @@ INPUT_BOUND_SHARE = 0.25   # the consumer waiting this share of its time is inpu
 BLOCKED_SHARE = 0.2        # fetchers blocked on a full queue this share of their time: queue full
 GIL_CORES = 1.3            # threads using at most this many cores in all (with >= 2 busy): GIL-bound
 CPU_BOUND = 0.6            # a fetcher using this share of a core while busy is CPU-bound
+COPY_BOUND = 0.6           # the device's copies busy this share of the time (one stream): copy-bound
+ASSEMBLE_BOUND = 0.5       # the assembling threads busy this share of their capacity: assemble-bound
 
 
 @dataclass
@@ -54,6 +60,10 @@ class StageTimes:
     auto: bool = False             # num_worker_threads="auto" chose how many ran
     transform_s: float = 0.0       # of fetch_s, inside a source's map and filter functions
     rows_filtered: float = 0.0     # rows those filters dropped
+    assemble_s: float = 0.0        # threads writing batches on the host (copying rows out of chunks), summed
+    assemble_threads: int = 1      # how many may write big batches at once
+    copy_s: float = 0.0            # the device copying batches (timed on the device; one stream)
+    device: bool = False           # batches go to a device (device slots, a stream)
 
 
 def running_at_once(t: StageTimes) -> float:
@@ -86,7 +96,10 @@ def verdict(t: StageTimes) -> str:
         out.append("No batch has been consumed yet, so there is no verdict.")
     else:
         wait, run, between = (x / consumer for x in (t.consumer_wait_s, t.consumer_run_s, t.consumer_between_s))
-        if wait >= INPUT_BOUND_SHARE and wait >= run and wait >= between:
+        stage = _feeding_bound(t, busy * running)
+        if wait >= INPUT_BOUND_SHARE and wait >= run and wait >= between and stage is not None:
+            out.append(stage)
+        elif wait >= INPUT_BOUND_SHARE and wait >= run and wait >= between:
             out.append(f"Input-bound: the consumer waited for batches {_pct(wait, 1)} of its time "
                        f"({t.consumer_wait_s:.2f} s of {consumer:.2f} s); the runtime idles while data is prepared.")
             out += _input_advice(t, busy, blocked, cores, per_fetcher_cpu)
@@ -119,8 +132,41 @@ def verdict(t: StageTimes) -> str:
         figures += (f"; {t.workers} fetcher {mode}{at_once}: in fetch_fun {_pct(busy, 1)} of their time{steps}, "
                     f"blocked on a full queue {_pct(blocked, 1)}, {cores:.2f} CPU cores in all, fetching "
                     f"{fetched:,.0f} rows/s")
+    if t.assemble_s > 0 or t.device:
+        figures += f"; writing batches {t.assemble_s:.2f} s (up to {t.assemble_threads} threads at once)"
+    if t.device:
+        figures += f"; copying them to the device {t.copy_s:.2f} s"
     out.append(figures + f"; queue of {t.queue_capacity:.0f} chunks.")
     return " ".join(out)
+
+
+def _feeding_bound(t: StageTimes, fetching: float) -> Optional[str]:
+    """When the consumer waits: the verdict of a feed bound between its fetchers and the runtime, by
+    writing batches (assemble) or copying them to the device (copy), with what to change; None when
+    the fetchers are the more used (their advice follows). ``fetching``: fetchers in fetch_fun at a
+    time, on average."""
+    if t.elapsed_s <= 0:
+        return None
+    workers = max(1.0, running_at_once(t)) if t.workers else 1.0
+    fetch_use = fetching / workers
+    copy_use = t.copy_s / t.elapsed_s
+    assemble_use = t.assemble_s / t.elapsed_s / max(1, t.assemble_threads)
+    if copy_use >= COPY_BOUND and copy_use >= fetch_use and copy_use >= assemble_use:
+        return (f"Copy-bound: copying batches to the device keeps it busy {_pct(copy_use, 1)} of the time "
+                f"({t.copy_s:.2f} s of {t.elapsed_s:.2f} s) while the consumer waits for them; the fetchers are in "
+                f"fetch_fun {_pct(fetch_use, 1)} of their time, so more fetchers would not help. To go faster, copy "
+                f"fewer bytes (uint8 inputs cast on the device by the model rather than float32), and make sure "
+                f"batches come from pinned or registered memory (worker processes' chunks go to the device straight "
+                f"from their shared memory; the log says when pinned memory could not be had).")
+    if assemble_use >= ASSEMBLE_BOUND and assemble_use >= fetch_use:
+        return (f"Assemble-bound: writing batches (copying rows out of their chunks) keeps the "
+                f"{t.assemble_threads} assembling thread(s) busy {_pct(assemble_use, 1)} of the time "
+                f"({t.assemble_s:.2f} s in {t.elapsed_s:.2f} s) while the consumer waits; the fetchers are in "
+                f"fetch_fun {_pct(fetch_use, 1)} of their time, so more fetchers would not help. To go faster, "
+                f"raise assemble_threads (now {t.assemble_threads}) if cores are free, return chunks of whole "
+                f"batches (handed on without a copy), or use worker processes (their small chunks are joined in "
+                f"the worker).")
+    return None
 
 
 def _input_advice(t: StageTimes, busy: float, blocked: float, cores: float, per_fetcher_cpu: float) -> List[str]:

@@ -11,14 +11,18 @@ then binds the OrtValues the enqueuer already made and runs the session.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
+import weakref
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union, cast, overload
 
 import numpy as np
 
+from .assembly import Assembly
 from .chunkqueue import CLOSED, END, Chunk, ChunkQueue
 from .device import Placement
 from .diagnosis import StageTimes
@@ -29,9 +33,10 @@ from .metrics import ConsumerCounters, RateMeter
 from .padding import ByteRing, Padding, PadRebatcher
 from .processes.parent import STACK_LEAD_S, ProcessOptions, ProcFetchers
 from .readyqueue import ReadyQueue
-from .rebatcher import BufferRing, Rebatcher
+from .rebatcher import BufferRing, Plan, Rebatcher
 from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner
+from .trace import TraceHook, Tracer
 from .tuning import Throttle, Tuner
 from .validation import ChunkValidator, InputSpec
 
@@ -48,6 +53,17 @@ SLOW_INPUT_WARN_S = 10.0  # a consumer starved this long logs that data input is
 # stop() waits at most this long (seconds) for a consumer in the middle of rebatching; past it,
 # that consumer discards what the feed holds as it lets the lock go (Feed._discard_held).
 DISCARD_LOCK_S = 0.25
+# Batches with at least this many bytes to copy are written outside the feed's lock, by up to
+# ``assemble_threads`` threads at once (feeder.assembly); smaller ones at once by the thread that
+# planned them, under the lock: a hand-over would cost more than their copy.
+PARALLEL_BYTES = 1 << 20
+MAX_ASSEMBLE_THREADS = 4  # the default assemble_threads: the cores, up to this many
+
+
+def default_assemble_threads() -> int:
+    """Threads that may write a feed's big batches at once, by default: the cores, up to
+    MAX_ASSEMBLE_THREADS (memory bandwidth, not cores, bounds copies beyond a few)."""
+    return max(1, min(MAX_ASSEMBLE_THREADS, os.cpu_count() or 1))
 
 
 class _EndOfData:
@@ -97,7 +113,7 @@ class Feed:
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
                  placement: Optional[Placement] = None, padding: Optional[Padding] = None,
-                 kept: Sequence[str] = ()):
+                 kept: Sequence[str] = (), assemble_threads: Optional[int] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -142,7 +158,14 @@ class Feed:
         self._on_device = self._runner is not None and self._runner.slots is not None
 
         self._stop = threading.Event()
-        self._ready = ReadyQueue(1)  # sized by the first batch, see ready_depth
+        self._ready = ReadyQueue(1)  # sized by the first batch, see _size_for
+        self._sized = False
+        # Batches planned and not yet in the ready queue: written by several threads, handed on in order.
+        self._asm = Assembly(assemble_threads or default_assemble_threads(), _Weak(self, "_hand_on"),
+                             _Weak(self, "_book_discarded"))
+        self._books = threading.Lock()  # guards what several writers add up: rows discarded, seconds assembling
+        self._assemble_s = 0.0
+        self._trace = TraceHook()  # the active feed.trace(), looked up by every thread that records
         if self._keyed and source.row_keys is not None:
             self._ready.on_pop = source.row_keys.record
         self._padding = padding
@@ -159,15 +182,25 @@ class Feed:
             self._rebatcher = Rebatcher(self._batch_size, self._axes, self._ring)  # reorder is set at start
         # One interface for both ways of fetching (feeder.fetchers, feeder.processes.parent).
         self._fetchers: Any
+        runner = self._runner
+        if runner is not None and runner.transfer is not None:  # copies are traced on the stream's track
+            runner.transfer.trace = self._trace
+            runner.transfer.track = f"feeder:{source.name}:stream"
         if processes is not None:
+            # On a device, each shared-memory segment is registered with the CUDA runtime as it is
+            # mapped (and unregistered before it is unmapped): chunks go to the device from there.
             self._fetchers = ProcFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
                                           worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
                                           stop=self._stop, options=processes, throttle=self._throttle,
-                                          pump=self.pump_put)
+                                          pump=self.pump_put, register=runner.host_register if runner else None,
+                                          trace=self._trace)
         else:
+            # On a device, fetchers coalesce small chunks into pinned buffers: batches the device
+            # copies straight from there.
             self._fetchers = ThreadFetchers(source=source, fetch_fun=fetch_fun, validator=validator,
                                             worker_ids=self.worker_ids, max_fetch_errors=max_fetch_errors,
-                                            stop=self._stop, throttle=self._throttle, pump=self.pump_put)
+                                            stop=self._stop, throttle=self._throttle, pump=self.pump_put,
+                                            allocate=runner.host_allocator if runner else None, trace=self._trace)
         self._workers = self._fetchers.states
         self._enqueuer_thread: Optional[threading.Thread] = None
         self._failure: Optional[Failure] = None
@@ -182,13 +215,14 @@ class Feed:
         # holder lets it go through _release_pump, which completes a discard stop() left to it.
         self._pump_lock = threading.Lock()
         self._discard_pending = False  # stop() asked for the discard of what the feed holds (_discard_held)
+        self._discard_made = False     # ... and the lock's side of it is made (writers may still finish theirs)
         self._discard_lock = threading.Lock()  # guards _discard_pending and _after_discard
         self._after_discard: List[Callable[[], None]] = []
         self._inflight_rows = 0
         self._waiting = 0  # consumers waiting with nothing ready (guarded by _waiting_lock)
         self._waiting_lock = threading.Lock()
         self.counters = ConsumerCounters()
-        # Written only by the enqueuer thread (and by stop() once it has ended), so plain ints suffice:
+        # Written under the pump lock (and by stop() once it has ended), so plain ints suffice:
         self._rows_taken = 0
         self._rows_dropped = 0
         self._rows_discarded = 0
@@ -313,7 +347,7 @@ class Feed:
             log.error("source %r: enqueuer thread failed", self.input_source_name, exc_info=True)
 
     def _enqueue(self) -> None:
-        source, stop, lock, ready = self.source, self._stop, self._pump_lock, self._ready
+        source, stop, lock, ready, asm = self.source, self._stop, self._pump_lock, self._ready, self._asm
         while not stop.is_set() and self._failure is None:
             # In slices: a consumer may hold the lock for a long rebatch, and stop must not wait for it.
             if not lock.acquire(timeout=SLICE_S):
@@ -322,14 +356,16 @@ class Feed:
                 got = self._pump_ready()
                 if got is END:
                     self._finish()  # (it may wait for room holding the lock: nothing else is left to take)
-                    return
             finally:
                 self._release_pump()
-            if got is CLOSED:
+            self._work()  # big batches it planned: written outside the lock (feeder.assembly)
+            if got is CLOSED or got is END:
                 return
             # Nothing to take, or no room: wait without the lock, so producers and consumers may pump.
             if len(ready) >= ready.maxsize:
                 ready.wait_room(SLICE_S)
+            elif len(ready) + asm.inflight >= ready.maxsize:
+                asm.wait(SLICE_S)  # the room is taken by batches being written
             elif not source.wait_available(SLICE_S):
                 if source.failure is not None:
                     return
@@ -337,23 +373,27 @@ class Feed:
             elif source.failure is not None:
                 return
 
+    def _room(self) -> bool:
+        """Whether the ready queue has room for one more batch, counting those being written."""
+        return len(self._ready) + self._asm.inflight < self._ready.maxsize
+
     def _pump_ready(self) -> object:
-        """Move whole batches from the source into the ready queue while it has room (the caller
-        holds ``_pump_lock``: the enqueuer, a producer in ``pump_put``, or a consumer that found
-        nothing ready). Taking a chunk and rebatching it are one step under that lock, so the
-        rebatcher gets the chunks in the order they were taken. Returns END when the source has
-        ended (the enqueuer finishes it), CLOSED when it was closed or the feed stopped, else None.
-        Never waits: every batch it makes goes into room it saw."""
+        """Plan whole batches from the source while the ready queue has room (the caller holds
+        ``_pump_lock``: the enqueuer, a producer in ``pump_put``, or a consumer that found nothing
+        ready). Taking a chunk and rebatching it are one step under that lock, so the rebatcher gets
+        the chunks in the order they were taken. Returns END when the source has ended (the enqueuer
+        finishes it), CLOSED when it was closed or the feed stopped, else None. Never waits: every
+        batch it plans takes room it saw; big ones are written after the lock is let go (``_work``)."""
         if self._stop.is_set() or self._failure is not None:
             return CLOSED  # what the feed holds is stop's to discard (_discard_held), under this lock
-        rb, source, ready = self._rebatcher, self.source, self._ready
+        rb, source = self._rebatcher, self.source
         new_size = self._take_new_batch_size()
         if new_size is not None:
             rb.set_batch_size(new_size)
-        while len(ready) < ready.maxsize:
+        while self._room():
             if rb.has_batch():
-                arrays = rb.pop()
-                if arrays is not None and not self._emit(arrays, rb.batch_size, rb.last_nbytes):
+                plan = rb.plan()
+                if plan is not None and not self._emit(plan):
                     return CLOSED
                 continue
             item = source.get(0.0)
@@ -374,17 +414,18 @@ class Feed:
         self._rows_taken += item.rows
         self._inflight_rows = item.rows  # in this thread's hands: still counted as held
         if self.dont_rebatch:
-            if isinstance(self._rebatcher, PadRebatcher):
-                return self._emit(self._rebatcher.pad_whole(item.arrays, item.rows), item.rows,
-                                  self._rebatcher.last_nbytes)
-            return self._emit(list(item.arrays), item.rows)
+            rb = self._rebatcher
+            if isinstance(rb, PadRebatcher):
+                return self._emit(rb.plan_whole(item.arrays, item.rows))
+            return self._emit(Plan.whole(item.arrays, item.rows, self._axes))
         self._rebatcher.add(item.arrays, item.rows)
         self._inflight_rows = 0
         return self._emit_full_batches(block=False)
 
     def _pump(self) -> None:
         """What a consumer that found nothing ready does before it waits: the enqueuer's work, if
-        nobody is doing it (no hand-over: the chunks may be waiting in the source)."""
+        nobody is doing it (no hand-over: the chunks may be waiting in the source), and the big
+        batches waiting to be written."""
         lock = self._pump_lock
         if lock.acquire(False):
             try:
@@ -393,6 +434,7 @@ class Feed:
                 self._pump_failed(e)
             finally:
                 self._release_pump()
+        self._work()
 
     def pump_put(self, chunk: Chunk) -> Optional[bool]:
         """Put a producer's chunk on the source and, in the calling producer thread, move what the
@@ -402,7 +444,7 @@ class Feed:
         full, the source has no room): the caller puts the chunk the usual way. The enqueuer thread
         does the rest (waiting, end of data, chunks of the source's other producers)."""
         lock = self._pump_lock
-        if not self._live or lock.locked() or len(self._ready) >= self._ready.maxsize:
+        if not self._live or lock.locked() or not self._room():
             return None
         if not lock.acquire(False):
             return None
@@ -417,9 +459,10 @@ class Feed:
                 return True  # the chunk is the source's: the failure is the feed's, not the fetch's
             if source.qsize() or self._rebatcher.has_batch():
                 source.wake_getters()  # what did not fit: the enqueuer's (or a replica's) to take on
-            return True
         finally:
             self._release_pump()
+        self._work()
+        return True
 
     def _pump_failed(self, e: Exception) -> None:
         """Making batches raised in a consumer's or a producer's pump (what the enqueuer does, done
@@ -431,74 +474,199 @@ class Feed:
         # The rows in this thread's hands (a chunk being added, a batch being made) are in neither
         # the rebatcher nor the ready queue any more: discarded now, so that the books balance.
         rows, self._inflight_rows = self._inflight_rows, 0
-        self._rows_discarded += rows
-        self.source.discarded(rows, fetched=False)
+        self._book_discarded(rows)
+        self._fail(FeederError(f"source {self.input_source_name!r}: making a batch failed in thread {where!r} (a "
+                               f"pump): {type(e).__name__}: {e}"), e)
+
+    def _fail(self, error: FeederError, cause: BaseException) -> None:
+        """The feed fails (sticky), once: the first failure is the one consumers hear of."""
         if self._failure is not None:
             return
-        self._failure = Failure(FeederError(
-            f"source {self.input_source_name!r}: making a batch failed in thread {where!r} (a pump): "
-            f"{type(e).__name__}: {e}"), e)
-        log.error("source %r: making a batch failed in thread %r", self.input_source_name, where, exc_info=e)
+        self._failure = Failure(error, cause)
+        log.error("%s", error, exc_info=cause)
         self.source.wake_getters()
+
+    def _book_discarded(self, rows: int) -> None:
+        """Rows this feed held that will never be delivered (stop, failures), booked once."""
+        if rows:
+            with self._books:
+                self._rows_discarded += rows
+            self.source.discarded(rows, fetched=False)
 
     def _release_pump(self) -> None:
         """Let the pump lock go; if stop() could not wait for it meanwhile, discard what the feed
         holds first (see _discard_held). Every holder of the lock lets it go through here."""
         lock = self._pump_lock
         lock.release()
-        if self._discard_pending and lock.acquire(False):  # else its next holder does it
+        if self._discard_pending and not self._discard_made and lock.acquire(False):  # else its next holder does
             try:
                 self._discard_now()
             finally:
                 lock.release()
 
     def _emit_full_batches(self, block: bool = True) -> bool:
+        """Plan the whole batches the rebatcher holds while there is room (``block``: all of them,
+        waiting for room, as at the end of the data). False if the feed stopped or failed."""
         rb = self._rebatcher
-        ready = self._ready
-        while block or len(ready) < ready.maxsize:
+        while True:
+            if not self._room():
+                if not block or not self._wait_room():
+                    return not block
             new_size = self._take_new_batch_size()
             if new_size is not None:
                 rb.set_batch_size(new_size)
-            arrays = rb.pop()
-            if arrays is None:
+            plan = rb.plan()
+            if plan is None:
                 return True
-            if not self._emit(arrays, rb.batch_size, rb.last_nbytes):
+            if not self._emit(plan):
                 return False
+
+    def _wait_room(self) -> bool:
+        """Wait for room in the ready queue holding the pump lock (the end of the data: nothing else
+        is left to take), writing waiting batches meanwhile. False if the feed stopped."""
+        while not self._room():
+            if self._stop.is_set() or self._failure is not None or self.source.failure is not None:
+                return False
+            if not self._work():
+                if len(self._ready) >= self._ready.maxsize:
+                    self._ready.wait_room(SLICE_S)
+                else:
+                    self._asm.wait(SLICE_S)
         return True
 
-    def _emit(self, arrays: List[np.ndarray], rows: int, nbytes: Optional[int] = None) -> bool:
-        self._inflight_rows = rows  # counted as held until the ready queue has it (ledger at stop)
-        keys = None
-        if self._keyed:
-            arrays, keys = split_keys(arrays)
-        batch = PreparedBatch(self.input_names, arrays, rows)
-        if keys is not None:
-            batch.keys = keys
-            batch.nbytes += keys.nbytes  # the source counted them in; delivery must count them out
-        if nbytes is not None:  # a padded batch: its chunks' bytes are what the source counted in
-            batch.nbytes = nbytes
-        if self._runner is not None:
+    def _emit(self, plan: Any) -> bool:
+        """A batch planned (the caller holds ``_pump_lock``): its place in the order, its buffers,
+        and then either written at once (small: a hand-over would cost more than the copy) or left
+        for the threads that pass by to write outside the lock (``feeder.assembly``). False if the
+        feed stopped or failed (the batch's rows are booked either way)."""
+        if not self._sized:
+            self._size_for(plan)
+        self._stage(plan)
+        place = self._asm.reserve(plan.rows)
+        self._inflight_rows = 0  # (a chunk in this thread's hands is in the plan now)
+        if plan.copy_nbytes >= PARALLEL_BYTES:
+            self._asm.defer(place, plan)
+            return True
+        return self._write(place, plan)
+
+    def _stage(self, plan: Any) -> None:
+        """Under the pump lock: the buffers a plan is written into (the rings are not thread-safe):
+        a set of the feed's ring (staging memory on a device), fresh arrays for a short last batch.
+        On a device, a batch whose rows lie in memory the device copies from fast (a worker
+        process's registered shared memory, a fetcher's pinned buffer) gets none: its pieces go to
+        the device as they are (``plan.direct``); one handed on as a view of pageable memory is
+        copied into staging memory instead (a copy to the device from there is asynchronous)."""
+        rb = self._rebatcher
+        if self._on_device and plan.parts is not None:
+            runner = self._runner
+            assert runner is not None
+            parts = plan.parts[:-1] if self._keyed else plan.parts
+            if runner.direct(parts):
+                plan.direct = True
+                if plan.views is None:  # no host copy after all (the keys excepted: those stay on the host)
+                    rb.copied_bytes -= plan.nbytes
+                    rb.copied_batches -= 1
+                    rb.zero_copy_batches += 1
+                    plan.out = [None] * len(parts)
+                    if self._keyed:
+                        plan.out.append(np.empty(plan.shapes[-1], plan.dtypes[-1]))
+                return
+            if plan.views is not None and runner.stages(plan.views[:len(parts)]):
+                plan.views = None
+                rb.copied_bytes += plan.nbytes
+                rb.copied_batches += 1
+                if not self.dont_rebatch:  # (the rebatcher counted it as handed on without a copy)
+                    rb.zero_copy_batches -= 1
+        rb.buffers(plan, use_ring=plan.rows == rb.batch_size or self.dont_rebatch)
+
+    def _size_for(self, plan: Any) -> None:
+        """Size the ready queue (and the rings that follow it) from the first batch: as many as fit
+        READY_BYTES, and room for ``assemble_threads`` batches being written when batches are big."""
+        self._sized = True
+        depth = ready_depth(plan.nbytes)
+        if self._on_device:
+            depth = max(depth, DEVICE_READY)
+        if plan.copy_nbytes >= PARALLEL_BYTES:
+            depth += self._asm.threads
+        self._ready.maxsize = depth
+        self._ring.size = depth + 2
+        if self._runner is not None:  # output buffers: those ready, one being run, one the caller holds
+            self._runner.ring_size = depth + 3
+
+    def _work(self) -> bool:
+        """Write big batches that wait to be written, in this thread (see ``feeder.assembly``)."""
+        if not self._asm.pending():
+            return False
+        return self._asm.work(self._write) > 0
+
+    def _write(self, place: int, plan: Any) -> bool:
+        """Write a planned batch (its host copy, its OrtValues, its copy to the device) and hand it
+        to the order (``feeder.assembly``); in any thread, under the pump lock or not. Never raises:
+        a failure fails the feed (or the source, for the session's preparation) and books the
+        batch's rows as discarded. False if it failed."""
+        t0 = time.monotonic()
+        try:
+            arrays = plan.execute()
+            keys = None
+            if self._keyed:
+                arrays, keys = split_keys(arrays)
+            # (the keys' bytes are in: the source counted them in, delivery must count them out; a padded
+            # batch's are its chunks' bytes, what the source counted in)
+            batch = PreparedBatch(self.input_names, arrays, plan.rows,
+                                  nbytes=plan.nbytes if plan.source_nbytes is None else plan.source_nbytes)
+            if keys is not None:
+                batch.keys = keys
+            if plan.direct:  # its rows go to the device from where they lie (see _stage)
+                n = len(arrays)
+                batch.pieces = [tuple(p) for p in plan.parts[:n]]
+                batch.meta = list(zip(plan.dtypes[:n], plan.shapes[:n]))
+        except BaseException as e:  # noqa: B902 - the order must go on: this place is failed, never left open
+            self._asm.fail(place)
+            where = threading.current_thread().name
+            self._fail(FeederError(f"source {self.input_source_name!r}: writing a batch failed in thread {where!r}: "
+                                   f"{type(e).__name__}: {e}"), e)
+            return False
+        copied = time.monotonic()
+        runner = self._runner
+        if runner is not None and not runner.prepares_in_order:
             try:
-                self._runner.prepare(batch)
-            except Exception as e:
+                runner.prepare(batch)
+            except BaseException as e:  # noqa: B902
+                self._asm.fail(place)
                 self._prepare_failed(batch, e)
                 return False
-        self._batches_made += 1
-        if not self._put_ready(batch):
-            return False
-        self._inflight_rows = 0
+        if plan.copy_nbytes:
+            with self._books:
+                self._assemble_s += copied - t0
+            tracer = self._trace.tracer
+            if tracer is not None:
+                tracer.span("assemble", t0, copied, rows=plan.rows, bytes=plan.copy_nbytes)
+        self._asm.complete(place, batch)
         return True
 
-    def _prepare_failed(self, batch: PreparedBatch, e: Exception) -> None:
+    def _hand_on(self, item: Any) -> bool:
+        """Called by the order (``feeder.assembly``, under its lock), batch after batch in their
+        order: into the ready queue. A session adapter's own ``prepare_batch`` runs here, so that it
+        sees the batches one at a time, in order. False if the batch was not handed on."""
+        if isinstance(item, PreparedBatch):
+            runner = self._runner
+            if runner is not None and runner.prepares_in_order:
+                try:
+                    runner.prepare(item)
+                except BaseException as e:  # noqa: B902
+                    self._prepare_failed(item, e)
+                    return False
+            self._batches_made += 1
+        self._ready.put_reserved(item)
+        return True
+
+    def _prepare_failed(self, batch: PreparedBatch, e: BaseException) -> None:
         """The session's preparation of a batch raised (a custom adapter's ``prepare_batch``, or
         binding it for the runtime). Whichever thread was moving batches on (the enqueuer, a
         producer's or a consumer's pump) must not be the only one to hear of it while the feed goes
-        on without the batch: the source fails, sticky, like any failure, and the batch's rows are
-        booked as discarded, so the ledger still balances."""
+        on without the batch: the source fails, sticky, like any failure; the batch's rows are
+        booked as discarded by the order (``feeder.assembly``), so the ledger still balances."""
         rows = batch.rows
-        self._inflight_rows = 0
-        self._rows_discarded += rows
-        self.source.discarded(rows, fetched=False)
         what = "prepare_batch" if callable(getattr(self.session, "prepare_batch", None)) else "preparing a batch"
         self.source.fail(Failure(FeederError(
             f"source {self.input_source_name!r}: the session's {what} raised {type(e).__name__}: {e} "
@@ -506,30 +674,19 @@ class Feed:
         log.error("source %r: the session's %s raised; the source has failed", self.input_source_name, what,
                   exc_info=e)
 
-    def _put_ready(self, item: Any) -> bool:
-        if self._batches_made == 1 and isinstance(item, PreparedBatch):
-            depth = ready_depth(item.nbytes)
-            self._ready.maxsize = max(depth, DEVICE_READY) if self._on_device else depth  # read by put() under its lock
-            self._ring.size = self._ready.maxsize + 2
-            if self._runner is not None:  # output buffers: those ready, one being run, one the caller holds
-                self._runner.ring_size = self._ready.maxsize + 3
-        put = self._ready.put
-        while not self._stop.is_set():
-            if put(item, SLICE_S):
-                return True
-        return False
-
     def _finish(self) -> None:
-        """End of data: hand on the whole batches left (a producer's pump may have left some), then
-        the short last batch or drop it, then the end marker."""
+        """End of data: plan the whole batches left (a producer's pump may have left some), then the
+        short last batch or drop it, then the end marker, after every batch in the order."""
         rb = self._rebatcher
         rb.end_of_data()  # a length window is cut whatever it holds
         if not self._emit_full_batches():
             return
         if rb.pending_rows:
             if self.last_batch == "keep":
-                n = rb.pending_rows
-                if not self._emit(cast(List[np.ndarray], rb.flush()), n, rb.last_nbytes):
+                if not self._wait_room():
+                    return
+                plan = rb.plan_flush()
+                if plan is not None and not self._emit(plan):
                     return
             else:
                 nbytes = rb.pending_nbytes
@@ -538,7 +695,7 @@ class Feed:
                 self.source.dropped(n, nbytes)
                 log.info("source %r: dropped the last %d rows (fewer than batch_size=%d; last_batch='drop')",
                          self.input_source_name, n, rb.batch_size)
-        self._put_ready(_END_OF_DATA)
+        self._asm.complete(self._asm.reserve(0), _END_OF_DATA)
 
     # ---- consumer ----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -635,7 +792,7 @@ class Feed:
 
     def _starved(self) -> bool:
         """A consumer waits and this feed has nothing ready nor in the making (read lock-free)."""
-        return self._waiting > 0 and not len(self._ready) and not self._inflight_rows
+        return self._waiting > 0 and not len(self._ready) and not self._inflight_rows and not self._asm.inflight
 
     def next_batch(self, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
         """The next batch, waiting for it if none is ready.
@@ -658,9 +815,12 @@ class Feed:
         """
         batch, start, now = self._next_prepared(timeout)
         self.counters.took(batch.rows, batch.nbytes, now - start, start, now)
+        tracer = self._trace.tracer
+        if tracer is not None and now > start:
+            tracer.span("wait", start, now, rows=batch.rows)
         if batch.slot is not None:
             batch.release()  # handed out as host arrays: its device copy is not needed
-        return batch.as_dict()
+        return batch.as_dict()  # (a batch that went to the device from shared memory is written now)
 
     @overload
     def run(self, output_names: Optional[Sequence[str]] = ..., run_options: Any = ..., *, outputs: str = ...,
@@ -721,10 +881,24 @@ class Feed:
             raise TypeError(f"with_batch must be a bool, got {type(with_batch).__name__}")
         batch, start, t0 = self._next_prepared(None)
         arrays = batch.as_dict() if with_batch else None  # (the run may give its device slot back)
+        tracer = self._trace.tracer
+        ticket = batch.ticket
+        if ticket is not None and not ticket.done:
+            try:
+                ticket.wait()  # its copy to the device: waiting for data, not running (GIL released)
+            except BaseException:
+                batch.release()
+                raise
+            t0 = time.monotonic()
+        if tracer is not None and t0 > start:
+            tracer.span("wait", start, t0, rows=batch.rows)
         try:
             got = runner.run(batch, output_names, run_options, outputs)
         finally:
-            self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, time.monotonic())
+            end = time.monotonic()
+            self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, end)
+            if tracer is not None:
+                tracer.span("run", t0, end, rows=batch.rows)
         return (got, arrays) if arrays is not None else got
 
     def runs(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None, *,
@@ -780,14 +954,16 @@ class Feed:
 
     # ---- introspection -------------------------------------------------------------------
     def _held_rows(self) -> int:
-        """Rows inside this feed, counted where they are (rebatcher, enqueuer's hands, ready queue)."""
-        return self._rebatcher.pending_rows + self._inflight_rows + self._ready.queued_rows()
+        """Rows inside this feed, counted where they are (rebatcher, a thread's hands, batches being
+        written, ready queue)."""
+        return (self._rebatcher.pending_rows + self._inflight_rows + self._asm.inflight_rows
+                + self._ready.queued_rows())
 
     def _check_ledger(self, when: str) -> bool:
         """Rows this feed took from its source = rows delivered + dropped + discarded + still held.
         Never fails."""
         ready, delivered = self._ready.held_and_delivered()
-        held = self._rebatcher.pending_rows + self._inflight_rows + ready
+        held = self._rebatcher.pending_rows + self._inflight_rows + self._asm.inflight_rows + ready
         ok = self._rows_taken == delivered + self._rows_dropped + self._rows_discarded + held
         if not ok:
             log.error("source %r: row ledger does not balance at %s: taken %d != delivered %d + dropped %d + "
@@ -803,8 +979,9 @@ class Feed:
         looks at the stop flag under the lock). A rebatching step may take long (a very large
         batch, a cold memory-mapped file) and stop() must not wait for it: after DISCARD_LOCK_S
         the discard is left to the thread that holds the lock, which makes it as it lets the lock
-        go (``_release_pump``). Returns True if the discard is made; False if it was left so
-        (``_when_discarded`` then runs what must follow it, such as the ledger's audit)."""
+        go (``_release_pump``). A batch being written outside the lock (``feeder.assembly``) is
+        discarded by its writer when it is done. Returns True if the discard is made; False if it
+        was left so (``_when_discarded`` then runs what must follow it, such as the ledger's audit)."""
         with self._discard_lock:
             self._discard_pending = True
         lock = self._pump_lock
@@ -817,15 +994,20 @@ class Feed:
             return not self._discard_pending  # (the holder may have made it after the wait gave up)
 
     def _discard_now(self) -> None:
-        """The discard stop() asked for, if not made yet (the caller holds the pump lock); then
-        what waits for it."""
+        """The discard stop() asked for, if not made yet (the caller holds the pump lock); what
+        waits for it runs once no thread writes a batch any more."""
         with self._discard_lock:
-            if not self._discard_pending:
+            if not self._discard_pending or self._discard_made:
                 return
-            rows = self._rebatcher.drop() + self._ready.clear() + self._inflight_rows
-            self._inflight_rows = 0
-            self._rows_discarded += rows
-            self.source.discarded(rows, fetched=False)
+            self._discard_made = True
+        rows = self._rebatcher.drop() + self._inflight_rows
+        self._inflight_rows = 0
+        rows += self._asm.discard(self._ready.clear)
+        self._book_discarded(rows)
+        self._asm.when_idle(self._discard_finished)
+
+    def _discard_finished(self) -> None:
+        with self._discard_lock:
             self._discard_pending = False
             after, self._after_discard = self._after_discard, []
         for fn in after:
@@ -839,6 +1021,47 @@ class Feed:
                 self._after_discard.append(fn)
                 return
         fn()
+
+    # ---- tracing ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def trace(self, path: Any) -> Iterator[Tracer]:
+        """Record what this feed's threads do meanwhile and write it to ``path`` as a Chrome /
+        Perfetto trace (JSON trace events: open it in ui.perfetto.dev or chrome://tracing): per
+        batch, ``fetch`` (per chunk), ``assemble``, ``copy`` (device feeds), ``wait`` (a consumer
+        waiting) and ``run``, on the track of the thread (or worker process, or stream) that did
+        it. One trace at a time per feed; costs nothing when none is active.
+
+        Args:
+            path: The file to write (str or path-like), when the ``with`` block ends.
+
+        Yields:
+            The :class:`feeder.trace.Tracer` recording (``events()`` gives what it holds).
+        """
+        if self._trace.tracer is not None:
+            raise FeederError(f"source {self.input_source_name!r}: a trace of this feed is already being recorded")
+        tracer = Tracer()
+        self._trace.tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._trace.tracer = None
+            tracer.write(path)
+
+
+class _Weak:
+    """A feed's method called through a weak reference, so that the parts of a feed that call back into
+    it (its batches' order) make no reference cycle that would keep a stopped feed for the garbage
+    collector. Once the feed is gone, a call does nothing and returns None."""
+
+    __slots__ = ("_ref", "_name")
+
+    def __init__(self, obj: Any, name: str):
+        self._ref = weakref.ref(obj)
+        self._name = name
+
+    def __call__(self, *args: Any) -> Any:
+        obj = self._ref()
+        return getattr(obj, self._name)(*args) if obj is not None else None
 
 
 def ready_depth(batch_nbytes: int) -> int:

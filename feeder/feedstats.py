@@ -31,6 +31,9 @@ METRIC_KEYS: Tuple[str, ...] = (
     # a source's map and filter steps (feeder.sources.transform): rows this feed's workers filtered
     # and seconds they spent in the steps (part of fetch_s), and the source's filtered rows
     "rows_filtered", "transform_s", "source_rows_filtered",
+    # writing batches on the host, copying them to the device (feeder.assembly, feeder.device):
+    # seconds, device memory held now, device buffers allocated so far
+    "assemble_s", "copy_s", "device_bytes", "device_allocations",
 )
 # What external loggers get: the metrics and the rate over the last interval.
 REPORT_KEYS: Tuple[str, ...] = METRIC_KEYS + ("inputs_per_sec_interval",)
@@ -42,7 +45,7 @@ TOTALS: FrozenSet[str] = frozenset({
     "source_rows_dropped", "source_rows_discarded", "buffer_allocations", "bytes_delivered", "bytes_copied",
     "zero_copy_batches", "consumer_run_s", "consumer_between_s", "fetch_s", "fetch_blocked_s", "fetch_wall_s",
     "fetch_cpu_s", "fetch_cpu_wall_s", "padded_elements", "row_elements", "rows_filtered", "transform_s",
-    "source_rows_filtered",
+    "source_rows_filtered", "assemble_s", "copy_s", "device_allocations",
 })
 # Figures of the source as a whole (its queue and ledger): every replica of a source reports the same.
 SOURCE_KEYS: FrozenSet[str] = frozenset(
@@ -149,7 +152,12 @@ class FeedStats:
 
     def _stage_metrics(self, now: float, c: Dict[str, float]) -> Dict[str, float]:
         w = self.feed._workers
+        runner = self.feed._runner
+        device = runner.device_figures() if runner is not None else {"device_bytes": 0.0, "device_allocations": 0.0,
+                                                                      "copy_s": 0.0}
         return {
+            # (batches the feed wrote, and those its fetcher threads wrote while coalescing small chunks)
+            "assemble_s": self.feed._assemble_s + sum(getattr(s, "assemble_s", 0.0) for s in w), **device,
             "consumer_run_s": c["run_s"], "consumer_between_s": c["between_s"],
             "fetch_s": sum(s.fetch_s for s in w), "fetch_blocked_s": sum(s.blocked_s for s in w),
             # running time: a fetcher parked by num_worker_threads="auto" is not a fetcher at work
@@ -173,7 +181,9 @@ class FeedStats:
             queue_capacity=m["queue_capacity"],
             intra_op_threads=intra_op_threads(self.feed.session) if self.feed.session is not None else None,
             fetch_longest_s=max(running, default=0.0), auto=self.feed._tuner is not None,
-            transform_s=m["transform_s"], rows_filtered=m["rows_filtered"])
+            transform_s=m["transform_s"], rows_filtered=m["rows_filtered"],
+            assemble_s=m["assemble_s"], assemble_threads=self.feed._asm.threads, copy_s=m["copy_s"],
+            device=self.feed._on_device)
 
     def diagnose(self) -> str:
         """Plain sentences: which stage bounds throughput (input, model or the consumer's own code),

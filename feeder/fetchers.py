@@ -36,6 +36,7 @@ from .errors import Failure, FeederError, FetchError, InputValidationError
 from .pacing import AFTER_NONE, NoneReport, none_pause
 from .rebatcher import BufferRing, Rebatcher
 from .sources.base import SKIP
+from .trace import TraceHook
 from .tuning import Throttle
 from .validation import ChunkValidator
 
@@ -60,7 +61,7 @@ class WorkerState:
 
     __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
                  "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
-                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters")
+                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters", "assemble_s")
 
     def __init__(self, worker_id: int):
         self.worker_id = worker_id
@@ -70,6 +71,7 @@ class WorkerState:
         self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
         self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
         self.copied_bytes = 0  # bytes this fetcher copied while coalescing
+        self.assemble_s = 0.0  # seconds it spent copying them (writing whole batches out of small chunks)
         # Stage times, seconds (see feeder.diagnosis): running time (the lifetime less the time
         # parked by num_worker_threads="auto"), inside fetch_fun, waiting for room in the source, and
         # CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the running time.
@@ -192,10 +194,12 @@ class Coalescer:
     """
 
     def __init__(self, state: WorkerState, source: ChunkQueue, axes: Sequence[int], batch_size: int,
-                 put: Callable[[Chunk], bool]):
+                 put: Callable[[Chunk], bool], allocate: Optional[Callable[..., np.ndarray]] = None,
+                 trace: Optional[TraceHook] = None):
         self.parked: List[bool] = []
         self.returned = threading.Event()
-        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING))
+        # (allocate: a device feed's staging memory, which the device copies batches from as they are)
+        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING, allocate=allocate))
         self.held_since = 0.0  # when the oldest held row arrived (monotonic s); 0.0: holds none
         # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
         # keep coalesced batches on its batch boundaries (see the module docstring).
@@ -206,6 +210,11 @@ class Coalescer:
         self._state = state
         self._source = source
         self._put = put
+        self._trace = trace  # the coalescing copies are "assemble" spans on a trace
+
+    def tracer(self) -> Any:
+        """The feed's active trace, or None."""
+        return self._trace.tracer if self._trace is not None else None
 
     def reclaim(self) -> None:
         """After the call: take the state back, waiting for a flusher that is using it."""
@@ -259,7 +268,17 @@ class Coalescer:
             if rb.pending_rows < bs:
                 self.held_since = time.monotonic() if rb.pending_rows else 0.0
                 return True
-        while (batch := rb.pop()) is not None:
+        state = self._state
+        while True:
+            t0 = time.monotonic()
+            batch = rb.pop()
+            if batch is None:
+                break
+            t1 = time.monotonic()
+            state.assemble_s += t1 - t0
+            tracer = self.tracer()
+            if tracer is not None:
+                tracer.span("assemble", t0, t1, rows=bs, coalesced=True)
             slots, self.unput = max(1, self.unput), 0
             if not self._put(Chunk(self._wid, tuple(batch), bs, slots)):
                 return False
@@ -429,6 +448,9 @@ def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
                 return raw, None, t0
             t1 = monotonic()
             fetch_s += t1 - t0
+            tracer = co.tracer()
+            if tracer is not None:
+                tracer.span("fetch", t0, t1)
             if t1 - t0 > COALESCE_SLOW_CALL_S or t1 > deadline:
                 return raw, None, t0
             if single is not None:  # one input, its dtype and row shape known: no validator call
@@ -460,18 +482,21 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
                throttle: Optional[Throttle] = None, turns: Optional[Turns] = None,
                pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
-               nones: Optional[NoneReport] = None) -> None:
+               nones: Optional[NoneReport] = None, allocate: Optional[Callable[..., np.ndarray]] = None,
+               trace: Optional[TraceHook] = None) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
     ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run; with
     ``turns`` (a coalescing fetcher of an unordered source) it makes short calls only in its turn.
-    After a call that returned None it pauses (``none_pause``) and reports it to ``nones``."""
+    After a call that returned None it pauses (``none_pause``) and reports it to ``nones``.
+    ``allocate`` makes the coalescing buffers (a device feed's staging memory); ``trace`` is where
+    the feed's active trace is (each call that returned a chunk is a "fetch" span)."""
     nones = nones if nones is not None else NoneReport(source_name)
     pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
     co = None
     if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
         co = Coalescer(state, source, validator.axes, batch_size(),
-                       lambda chunk: put_chunk(source, chunk, state, stop, pump))
+                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
         source.add_flusher(co.flush_if_stale)
 
     monotonic = time.monotonic
@@ -571,6 +596,9 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             now = monotonic()
             if not was_carried:  # the burst counted its own calls' time
                 state.fetch_s += now - state.since
+                tracer = trace.tracer if trace is not None else None
+                if tracer is not None and raw is not None:
+                    tracer.span("fetch", state.since, now)
             short = now - state.since < SHORT_CALL_S
             if now >= cpu_due:
                 state.sample_cpu(now)
@@ -663,9 +691,12 @@ class ThreadFetchers:
 
     def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
                  worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event,
-                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None):
+                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
+                 allocate: Optional[Callable[..., np.ndarray]] = None, trace: Optional[TraceHook] = None):
         self.source = source
         self._pump = pump  # Feed.pump_put: producers take their chunks on into the ready queue
+        self._allocate = allocate  # coalescing buffers: a device feed's staging memory
+        self._trace = trace
         self.states = [WorkerState(w) for w in worker_ids]
         self._fetch_fun = fetch_fun
         self._validator = validator
@@ -689,7 +720,8 @@ class ThreadFetchers:
                 kwargs=dict(source=self.source, source_name=name, fetch_fun=self._fetch_fun,
                             validator=self._validator, state=state, batch_size=lambda: self._batch_size,
                             stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
-                            throttle=self._throttle, turns=turns, pump=self._pump, nones=self.nones))
+                            throttle=self._throttle, turns=turns, pump=self._pump, nones=self.nones,
+                            allocate=self._allocate, trace=self._trace))
         for state in self.states:
             state.set("starting")
             assert state.thread is not None

@@ -260,6 +260,15 @@ class PadRebatcher:
 
     def pop(self) -> Optional[List[np.ndarray]]:
         """The next padded batch of ``batch_size`` rows, or None if none can be made yet."""
+        plan = self.plan()
+        if plan is None:
+            return None
+        self.buffers(plan)
+        return plan.execute()
+
+    def plan(self) -> Optional["PadPlan"]:
+        """The next padded batch decided, not written (see ``feeder.rebatcher.Plan``): its rows,
+        its shapes, what is copied where; :meth:`buffers` gives it its buffers."""
         if not self._planned:
             if not self.has_batch():
                 return None
@@ -269,7 +278,17 @@ class PadRebatcher:
                 self._plan()
         batch = self._planned.popleft()
         self.pending_rows -= sum(p[0] for p in batch)
-        return self._assemble(batch, use_ring=True)
+        return self._layout(batch)
+
+    def buffers(self, plan: "PadPlan", use_ring: bool = True) -> None:
+        """Give ``plan`` its buffers: views of the ring's byte buffers, or fresh arrays. Not
+        thread-safe: call it where :meth:`plan` is called."""
+        if plan.out is not None:
+            return
+        if use_ring and self._ring is not None:
+            plan.out = self._ring.take(plan.shapes, plan.dtypes)
+        else:
+            plan.out = [np.empty(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
 
     def end_of_data(self) -> None:
         """No more chunks will come: the window is cut whatever it holds."""
@@ -277,17 +296,31 @@ class PadRebatcher:
 
     def flush(self) -> Optional[List[np.ndarray]]:
         """All rows held (fewer than a batch once ``pop`` returned None) as one short batch."""
+        plan = self.plan_flush()
+        if plan is None:
+            return None
+        self.buffers(plan, use_ring=False)
+        return plan.execute()
+
+    def plan_flush(self) -> Optional["PadPlan"]:
+        """:meth:`flush` as a plan (its buffers: ``buffers(plan, use_ring=False)``)."""
         if not self.pending_rows:
             return None
         pieces = [p for b in self._planned for p in b]
         self._planned.clear()
         pieces += self._take_front(self._unplanned)
         self.pending_rows = 0
-        return self._assemble(pieces, use_ring=False)
+        return self._layout(pieces)
 
     def pad_whole(self, arrays: Sequence[Piece], rows: int) -> List[np.ndarray]:
         """One chunk padded as one batch, whatever its row count (``dont_rebatch``)."""
-        return self._assemble([(rows, tuple(arrays), slice(0, rows))], use_ring=True)
+        plan = self.plan_whole(arrays, rows)
+        self.buffers(plan)
+        return plan.execute()
+
+    def plan_whole(self, arrays: Sequence[Piece], rows: int) -> "PadPlan":
+        """:meth:`pad_whole` as a plan."""
+        return self._layout([(rows, tuple(arrays), slice(0, rows))])
 
     def drop(self) -> int:
         """Discard every row held; returns how many."""
@@ -403,7 +436,9 @@ class PadRebatcher:
                 total += a.nbytes // max(1, a.shape[ax]) * rows if a.shape[ax] else 0
         return total
 
-    def _assemble(self, pieces: List[Tuple[int, Tuple[Piece, ...], Sel]], use_ring: bool) -> List[np.ndarray]:
+    def _layout(self, pieces: List[Tuple[int, Tuple[Piece, ...], Sel]]) -> "PadPlan":
+        """What a batch of these pieces is: each input's shape and dtype, and how its values are
+        written (the plan :meth:`PadPlan.execute` follows)."""
         n = sum(p[0] for p in pieces)
         plans: List[Any] = []
         shapes: List[Tuple[int, ...]] = []
@@ -443,86 +478,121 @@ class PadRebatcher:
             dtypes.append(dt)
             mask_shapes.append((n, *dims))
             mask_dtypes.append(pad.mask_dtype)
-            nbytes += (int(row_shapes.prod(axis=1).sum()) if n else 0) * dt.itemsize
-        all_shapes, all_dtypes = shapes + mask_shapes, dtypes + mask_dtypes
-        if use_ring and self._ring is not None:
-            bufs = self._ring.take(all_shapes, all_dtypes)
-        else:
-            bufs = [np.empty(s, d) for s, d in zip(all_shapes, all_dtypes)]
-        outs, masks = bufs[:len(shapes)], bufs[len(shapes):]
-        m = 0
-        for i, (plan, dst) in enumerate(zip(plans, outs)):
-            if plan[0] == "plain":
-                _gather_plain(dst, plan[1], plan[2], self._axes[i])
-            else:
-                self._write_padded(dst, masks[m], *plan[1:])
-                m += 1
+            real = int(row_shapes.prod(axis=1).sum()) if n else 0
+            self.real_elements += real
+            self.padded_elements += n * math.prod(dims) - real
+            nbytes += real * dt.itemsize
         self.copied_bytes += nbytes
         self.copied_batches += 1
         self.last_nbytes = nbytes
-        return outs[:self._mask_at] + masks + outs[self._mask_at:]
+        return PadPlan(n, self._axes, plans, shapes + mask_shapes, dtypes + mask_dtypes, len(shapes), self._mask_at,
+                       nbytes)
 
-    def _write_padded(self, dst: np.ndarray, mask_out: np.ndarray, rag: List[Ragged], row_shapes: np.ndarray,
-                      dims: List[int], kvar: int, unit: int, pad: PadInput) -> None:
-        n = dst.shape[0]
-        lead = (n, *dims[:kvar + 1])
-        # Where each row has values, over the axes up to the last one on which rows differ.
-        mask: Optional[np.ndarray] = None
-        for j in range(kvar + 1):
-            shape = [1] * len(lead)
-            shape[j + 1] = dims[j]
-            inside = np.arange(dims[j]).reshape(shape) < row_shapes[:, j].reshape((n,) + (1,) * (kvar + 1))
-            mask = inside if mask is None else mask & inside
-        if mask is None:  # no axis on which rows differ: every position holds a value
-            mask = np.ones(lead, bool)
-        elif mask.shape != lead:
-            mask = np.broadcast_to(mask, lead)
-        real = int(row_shapes.prod(axis=1).sum()) if n else 0
-        self.real_elements += real
-        self.padded_elements += dst.size - real
-        np.copyto(mask_out, mask.reshape(lead + (1,) * (len(dims) - kvar - 1)), casting="unsafe")
-        if not dst.size:  # rows without values (empty rows, or an axis of size 0): nothing to write
-            return
-        # Each unit (the elements after the last axis on which rows differ) as ONE element, so that
-        # numpy copies it as a block: a boolean index with a trailing axis takes a path 30x slower.
-        block = np.dtype((np.void, unit * dst.dtype.itemsize)) if unit > 1 else dst.dtype
-        dv = dst.reshape(lead + (unit,)).view(block).reshape(lead) if unit > 1 else dst.reshape(lead)
-        k0 = 0
-        for r in rag:
-            b = len(r)
-            if not b:
-                continue
-            if r.rows_list is not None:  # rows given one by one: each copied once, in turn
-                for t, row in enumerate(r.rows_list):
-                    dst[(k0 + t,) + tuple(slice(0, s) for s in row.shape)] = row
-            elif b <= FEW_ROWS:  # a few rows of a chunk (a window's pick): row by row costs less than an index
-                assert r.values is not None and r.starts is not None
-                for t, (start, shape) in enumerate(zip(r.starts.tolist(), r.shapes.tolist())):
-                    size = math.prod(shape)
-                    dst[(k0 + t,) + tuple(slice(0, s) for s in shape)] = r.values[start:start + size].reshape(shape)
+
+class PadPlan:
+    """A padded batch decided, not written (``feeder.rebatcher.Plan``'s counterpart): its arrays'
+    shapes and dtypes (the inputs, then the masks), how each input is written, and ``out``, the
+    buffers (:meth:`PadRebatcher.buffers`). :meth:`execute` writes it, in any thread."""
+
+    parts = None  # (a padded batch is always written: no piece lands as it is)
+    views = None
+    direct = False
+
+    def __init__(self, rows: int, axes: Sequence[int], plans: List[Any], shapes: List[Tuple[int, ...]],
+                 dtypes: List[np.dtype], inputs: int, mask_at: int, source_nbytes: int):
+        self.rows = rows
+        self.axes = axes
+        self._plans = plans
+        self._inputs = inputs
+        self._mask_at = mask_at
+        # The batch's arrays in the order handed on: the inputs, with the masks before the keys.
+        order = list(range(mask_at)) + list(range(inputs, len(shapes))) + list(range(mask_at, inputs))
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self._order = order
+        self.out: Optional[List[np.ndarray]] = None
+        self.nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+        self.source_nbytes: Optional[int] = source_nbytes
+        self.hold_gil = True
+
+    @property
+    def copy_nbytes(self) -> int:
+        return self.nbytes
+
+    def execute(self) -> List[np.ndarray]:
+        out = self.out
+        if out is None:
+            raise RuntimeError("a plan executed before it was given buffers (PadRebatcher.buffers)")
+        outs, masks = out[:self._inputs], out[self._inputs:]
+        m = 0
+        for i, (plan, dst) in enumerate(zip(self._plans, outs)):
+            if plan[0] == "plain":
+                _gather_plain(dst, plan[1], plan[2], self.axes[i])
             else:
-                assert r.values is not None and r.starts is not None
-                count = len(r.values) // unit
-                values = r.values[:count * unit].view(block) if unit > 1 else r.values
-                if r.is_contiguous():  # one slice of values: one masked assignment
-                    first = int(r.starts[0]) // unit
-                    dv[k0:k0 + b][mask[k0:k0 + b]] = values[first:first + int(r.sizes().sum()) // unit]
-                else:  # rows here and there (a window, a shuffle): one gather, straight into the batch
-                    index = (r.starts // unit).reshape((b,) + (1,) * (kvar + 1))
-                    stride = np.ones(b, np.int64)
-                    for j in range(kvar, -1, -1):
-                        shape = [1] * (kvar + 2)
-                        shape[j + 1] = dims[j]
-                        index = index + np.arange(dims[j]).reshape(shape) * stride.reshape((b,) + (1,) * (kvar + 1))
-                        stride = stride * r.shapes[:, j]
-                    np.take(values, index, out=dv[k0:k0 + b], mode="clip")
-            k0 += b
-        if real < dst.size:
-            holes = ~mask
-            if unit > 1:
-                np.copyto(dst.reshape(lead + (unit,)), pad.value, where=holes.reshape(lead + (1,)), casting="unsafe")
-            else:
-                dv[holes] = pad.value
+                _write_padded(dst, masks[m], *plan[1:])
+                m += 1
+        return [out[k] for k in self._order]
+
+
+def _write_padded(dst: np.ndarray, mask_out: np.ndarray, rag: List[Ragged], row_shapes: np.ndarray,
+                  dims: List[int], kvar: int, unit: int, pad: PadInput) -> None:
+    n = dst.shape[0]
+    lead = (n, *dims[:kvar + 1])
+    # Where each row has values, over the axes up to the last one on which rows differ.
+    mask: Optional[np.ndarray] = None
+    for j in range(kvar + 1):
+        shape = [1] * len(lead)
+        shape[j + 1] = dims[j]
+        inside = np.arange(dims[j]).reshape(shape) < row_shapes[:, j].reshape((n,) + (1,) * (kvar + 1))
+        mask = inside if mask is None else mask & inside
+    if mask is None:  # no axis on which rows differ: every position holds a value
+        mask = np.ones(lead, bool)
+    elif mask.shape != lead:
+        mask = np.broadcast_to(mask, lead)
+    real = int(row_shapes.prod(axis=1).sum()) if n else 0
+    np.copyto(mask_out, mask.reshape(lead + (1,) * (len(dims) - kvar - 1)), casting="unsafe")
+    if not dst.size:  # rows without values (empty rows, or an axis of size 0): nothing to write
+        return
+    # Each unit (the elements after the last axis on which rows differ) as ONE element, so that
+    # numpy copies it as a block: a boolean index with a trailing axis takes a path 30x slower.
+    block = np.dtype((np.void, unit * dst.dtype.itemsize)) if unit > 1 else dst.dtype
+    dv = dst.reshape(lead + (unit,)).view(block).reshape(lead) if unit > 1 else dst.reshape(lead)
+    k0 = 0
+    for r in rag:
+        b = len(r)
+        if not b:
+            continue
+        if r.rows_list is not None:  # rows given one by one: each copied once, in turn
+            for t, row in enumerate(r.rows_list):
+                dst[(k0 + t,) + tuple(slice(0, s) for s in row.shape)] = row
+        elif b <= FEW_ROWS:  # a few rows of a chunk (a window's pick): row by row costs less than an index
+            assert r.values is not None and r.starts is not None
+            for t, (start, shape) in enumerate(zip(r.starts.tolist(), r.shapes.tolist())):
+                size = math.prod(shape)
+                dst[(k0 + t,) + tuple(slice(0, s) for s in shape)] = r.values[start:start + size].reshape(shape)
+        else:
+            assert r.values is not None and r.starts is not None
+            count = len(r.values) // unit
+            values = r.values[:count * unit].view(block) if unit > 1 else r.values
+            if r.is_contiguous():  # one slice of values: one masked assignment
+                first = int(r.starts[0]) // unit
+                dv[k0:k0 + b][mask[k0:k0 + b]] = values[first:first + int(r.sizes().sum()) // unit]
+            else:  # rows here and there (a window, a shuffle): one gather, straight into the batch
+                index = (r.starts // unit).reshape((b,) + (1,) * (kvar + 1))
+                stride = np.ones(b, np.int64)
+                for j in range(kvar, -1, -1):
+                    shape = [1] * (kvar + 2)
+                    shape[j + 1] = dims[j]
+                    index = index + np.arange(dims[j]).reshape(shape) * stride.reshape((b,) + (1,) * (kvar + 1))
+                    stride = stride * r.shapes[:, j]
+                np.take(values, index, out=dv[k0:k0 + b], mode="clip")
+        k0 += b
+    if real < dst.size:
+        holes = ~mask
+        if unit > 1:
+            np.copyto(dst.reshape(lead + (unit,)), pad.value, where=holes.reshape(lead + (1,)), casting="unsafe")
+        else:
+            dv[holes] = pad.value
 
 
 def _gather_plain(dst: np.ndarray, parts: List[np.ndarray], sels: List[Sel], axis: int) -> None:

@@ -74,6 +74,19 @@ class ReadyQueue:
                 self._not_empty.notify()
         return True
 
+    def put_reserved(self, item: Any) -> None:
+        """Append ``item`` without waiting: its room was reserved when it was planned (the feed counts
+        batches being written against ``maxsize``, see ``feeder.assembly``). The only way items enter
+        a feed's queue; one thread at a time (the order's lock)."""
+        with self._lock:
+            # Appended before it is counted as pushed: a lock-free reader may see the batch as
+            # held a moment too long, never as delivered too early (see ChunkQueue's byte bound).
+            self._items.append(item)
+            self._pushed_rows += item.rows
+            self._pushed_bytes += item.nbytes
+            if self._getters:
+                self._not_empty.notify()
+
     def _popped(self) -> None:
         """After a pop: wake the producer if it waits and the queue is down to half."""
         if self._putter_waiting and len(self._items) <= self.maxsize // 2:

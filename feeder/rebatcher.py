@@ -12,9 +12,17 @@ Design (after Grain's ``rebatch.py``, against Caffe2's ``np.append`` loop):
 * A batch that spans chunks is assembled with exactly one copy per byte, into an
   output buffer taken from a small ring (:class:`BufferRing`) so steady state
   allocates nothing.
+* Deciding a batch and writing it are two steps: :meth:`Rebatcher.plan` says which rows
+  of which chunks (views) land at which offset of the batch (a :class:`Plan`), and
+  :meth:`Plan.execute` writes the bytes. The feed plans under its lock, in order, and lets
+  several threads execute plans at once outside it (``feeder.assembly``): plans refer to
+  disjoint buffers and to chunks nobody writes, so executing them in any order, in any
+  thread, gives exactly the batches :meth:`Rebatcher.pop` gives (``pop`` is plan, then
+  execute).
 """
 from __future__ import annotations
 
+import math
 import sys
 from collections import deque
 from typing import Any, Callable, Deque, List, Literal, Optional, Sequence, Tuple
@@ -153,6 +161,86 @@ class BufferRing:
         return list(bufs)
 
 
+class Plan:
+    """One batch as decided by :meth:`Rebatcher.plan`: which rows of which chunks land at which
+    offset of which buffers. Nothing is written until :meth:`execute`; until then the rows are
+    still held (the plan keeps its chunks' views, so nothing reuses their memory).
+
+    Attributes:
+        rows: Rows of the batch.
+        axes: The batch axis of each input.
+        parts: Per input, the pieces (views of chunks, in order) whose rows make the batch, one
+            after the other along the batch axis; None for a batch handed on as it is.
+        views: The batch's arrays when it needs no copy (a view of one chunk, or a chunk passed on
+            whole), else None.
+        shapes, dtypes: Per input, the batch's shape and dtype.
+        out: The buffers the batch is written into (set by :meth:`Rebatcher.buffers`, or by the
+            caller: a device feed may copy the pieces elsewhere).
+        nbytes: Bytes the batch's arrays hold.
+        source_nbytes: The chunks' bytes of its rows where they differ from ``nbytes`` (padding),
+            else None.
+        hold_gil: Copy small pieces holding the GIL (see :func:`concatenate_into`).
+        direct: The batch's pieces go to a device straight from where they lie (no host copy:
+            ``feeder.device``); ``out`` then holds None for those inputs, and :meth:`execute` writes
+            only the others.
+    """
+
+    __slots__ = ("rows", "axes", "parts", "views", "shapes", "dtypes", "out", "nbytes", "source_nbytes", "hold_gil",
+                 "direct")
+
+    def __init__(self, rows: int, axes: Sequence[int], parts: Optional[List[Tuple[np.ndarray, ...]]],
+                 views: Optional[List[np.ndarray]], shapes: List[Tuple[int, ...]], dtypes: List[np.dtype],
+                 hold_gil: bool = True):
+        self.rows = rows
+        self.axes = axes
+        self.parts = parts
+        self.views = views
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.out: Optional[List[np.ndarray]] = None
+        self.nbytes = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+        self.source_nbytes: Optional[int] = None
+        self.hold_gil = hold_gil
+        self.direct = False
+
+    @classmethod
+    def whole(cls, arrays: Sequence[np.ndarray], rows: int, axes: Sequence[int]) -> "Plan":
+        """A batch that is these arrays as they are (no copy: ``dont_rebatch``)."""
+        views = list(arrays)
+        return cls(rows, axes, [(v,) for v in views], views, [a.shape for a in views], [a.dtype for a in views])
+
+    @property
+    def copy_nbytes(self) -> int:
+        """Bytes :meth:`execute` writes (0 for a batch handed on without a copy)."""
+        if self.views is not None:
+            return 0
+        if self.direct:
+            return sum(o.nbytes for o in self.out or () if o is not None)
+        return self.nbytes
+
+    def execute(self) -> List[np.ndarray]:
+        """Write the batch (one copy per byte, into ``out``) and return its arrays (None for an
+        input that goes to the device straight from its pieces). Safe in any thread, at the same
+        time as other plans' (they write other buffers)."""
+        if self.views is not None:
+            return self.views
+        out = self.out
+        if out is None:
+            raise RuntimeError("a plan executed before it was given buffers (Rebatcher.buffers)")
+        assert self.parts is not None
+        hold_gil = self.hold_gil
+        for dst, part, ax in zip(out, self.parts, self.axes):
+            if dst is None:
+                continue
+            if len(part) == 1:
+                np.copyto(dst, part[0], casting=_casting(dst))
+            elif hold_gil:
+                concatenate_into(dst, part, ax)
+            else:
+                np.concatenate(part, axis=ax, out=dst, casting=_casting(dst))
+        return out
+
+
 class Rebatcher:
     """Cuts a stream of aligned chunks into batches of exactly ``batch_size`` rows.
 
@@ -227,7 +315,18 @@ class Rebatcher:
         """No more chunks will come (nothing is held back here: see ``feeder.padding``)."""
 
     def pop(self) -> Optional[List[np.ndarray]]:
-        """The next full batch, or None if fewer than ``batch_size`` rows are pending."""
+        """The next full batch, or None if fewer than ``batch_size`` rows are pending: :meth:`plan`,
+        its buffers from the ring, then :meth:`Plan.execute`."""
+        plan = self.plan()
+        if plan is None:
+            return None
+        self.buffers(plan)
+        return plan.execute()
+
+    def plan(self) -> Optional[Plan]:
+        """Decide the next full batch without writing it (see :class:`Plan`); None if fewer than
+        ``batch_size`` rows are pending. Its rows leave the pending rows now; a plan that needs a
+        copy gets its buffers from :meth:`buffers` (or from the caller)."""
         if self.pending_rows < self.batch_size:
             return None
         if self.reorder and self._pending[0][0] < self.batch_size:
@@ -235,16 +334,36 @@ class Rebatcher:
                 if rows >= self.batch_size:
                     self._pending.rotate(-i)  # bring the whole-batch piece to the front ...
                     try:
-                        return self._cut(self.batch_size, use_ring=True)
+                        return self._cut(self.batch_size)
                     finally:
                         self._pending.rotate(i)  # ... and put the waiting pieces back before it
-        return self._cut(self.batch_size, use_ring=True)
+        return self._cut(self.batch_size)
+
+    def buffers(self, plan: Plan, use_ring: bool = True) -> None:
+        """Give ``plan`` the buffers it is written into: a set of the ring (reused once nobody holds
+        it), or fresh arrays (``use_ring=False``, or no ring). Nothing for a plan without a copy.
+        Not thread-safe (the ring is not): call it where :meth:`plan` is called."""
+        if plan.views is not None or plan.out is not None:
+            return
+        if use_ring and self._ring is not None:
+            plan.out = self._ring.take(plan.shapes, plan.dtypes)
+        else:
+            plan.out = [np.empty(sh, dtype=d) for sh, d in zip(plan.shapes, plan.dtypes)]
 
     def flush(self) -> Optional[List[np.ndarray]]:
         """All pending rows (fewer than a batch after ``pop`` returned None) as one short batch."""
+        plan = self.plan_flush()
+        if plan is None:
+            return None
+        self.buffers(plan, use_ring=False)
+        return plan.execute()
+
+    def plan_flush(self) -> Optional[Plan]:
+        """:meth:`flush` as a plan (its buffers: ``buffers(plan, use_ring=False)``, a short batch of
+        its own shape)."""
         if not self.pending_rows:
             return None
-        return self._cut(self.pending_rows, use_ring=False)
+        return self._cut(self.pending_rows)
 
     def take_pieces(self, limit: Optional[int] = None) -> List[Tuple[int, Arrays]]:
         """Hand back up to ``limit`` pending rows (all by default), uncopied, as (rows, arrays) views
@@ -273,7 +392,7 @@ class Rebatcher:
         self.pending_rows = 0
         return n
 
-    def _cut(self, n: int, use_ring: bool) -> List[np.ndarray]:
+    def _cut(self, n: int) -> Plan:
         axes = self._axes
         pending = self._pending
         first_rows, first = pending[0]
@@ -285,10 +404,11 @@ class Rebatcher:
             if all(v.flags.c_contiguous for v in views):
                 self._consume_front(n, first_rows, first)
                 self.zero_copy_batches += 1
-                return views
+                return Plan(n, axes, [(v,) for v in views], views, [v.shape for v in views],
+                            [v.dtype for v in views])
         # Gather the pieces of this batch (whole chunks, plus a view of the one that straddles the
-        # boundary), then one concatenate per input into the output buffer: each byte is copied
-        # exactly once, in C, and the Python work per piece is a pop and an append.
+        # boundary); executing the plan is then one concatenate per input into the output buffer:
+        # each byte is copied exactly once, in C, and the Python work per piece is a pop and an append.
         pieces = []
         need = n
         while need:
@@ -307,20 +427,10 @@ class Rebatcher:
         # Strings of different widths (or str and object) widen to hold them all, never truncate.
         dtypes = [p[0].dtype if p[0].dtype.kind not in "USO" else np.result_type(*(q.dtype for q in p))
                   for p in parts]
-        if use_ring and self._ring is not None:
-            out = self._ring.take(shapes, dtypes)
-        else:
-            out = [np.empty(sh, dtype=d) for sh, d in zip(shapes, dtypes)]
-        for dst, part, ax in zip(out, parts, axes):
-            if len(part) == 1:
-                np.copyto(dst, part[0], casting=_casting(dst))
-            elif self.hold_gil:
-                concatenate_into(dst, part, ax)
-            else:
-                np.concatenate(part, axis=ax, out=dst, casting=_casting(dst))
-        self.copied_bytes += sum(o.nbytes for o in out)
+        plan = Plan(n, axes, parts, None, shapes, dtypes, self.hold_gil)
+        self.copied_bytes += plan.nbytes
         self.copied_batches += 1
-        return out
+        return plan
 
     def _consume_front(self, k: int, rows: int, piece: Arrays) -> None:
         if k == rows:

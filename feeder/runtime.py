@@ -13,16 +13,19 @@ Facts this module is built on (measured with onnxruntime 1.31 on CPU):
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import device as devices
 from .device import (
     CPU,
     DeviceMemory,
     Placement,
     SlotRing,
+    Transfer,
     copy_value,
     cuda_graph_enabled,
     default_providers,
@@ -31,6 +34,7 @@ from .device import (
     resolve,
     session_placement,
 )
+from .device.transfer import sources_of
 from .errors import FeederError
 from .rebatcher import BufferRing
 from .validation import InputSpec
@@ -89,17 +93,22 @@ class PreparedBatch:
     """A batch ready for the runtime: the numpy arrays and, for IOBinding, their OrtValues and an
     IOBinding with them bound (``binding``), with its outputs bound to reused buffers
     (``outputs``) once their shapes are known (see :class:`Runner`). On a device feed, ``slot`` is
-    the device slot (``feeder.device.Slot``) the batch was copied into, busy until it was run."""
+    the device slot (``feeder.device.Slot``) the batch was copied into, busy until it was run, and
+    ``ticket`` the copy to wait on before the run (``feeder.device.Ticket``).
+
+    A batch whose rows went to the device straight from where they lay (a worker process's
+    shared memory: ``pieces``, per input the arrays whose bytes make it, ``meta`` its dtypes and
+    shapes) has no host array of those inputs until asked (:meth:`as_dict` writes them)."""
 
     __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
-                 "output_where", "shape_key", "slot", "unfed")
+                 "output_where", "shape_key", "slot", "unfed", "ticket", "pieces", "meta")
 
-    def __init__(self, names: Sequence[str], arrays: Sequence[np.ndarray], rows: int,
-                 ortvalues: Optional[List[Any]] = None):
+    def __init__(self, names: Sequence[str], arrays: Sequence[Any], rows: int,
+                 ortvalues: Optional[List[Any]] = None, nbytes: Optional[int] = None):
         self.names = names
         self.arrays = arrays
         self.rows = rows
-        self.nbytes = sum(a.nbytes for a in arrays)
+        self.nbytes = sum(a.nbytes for a in arrays) if nbytes is None else nbytes
         self.ortvalues = ortvalues
         self.keys: Optional[np.ndarray] = None  # the row keys of a keyed source (feeder.rowkeys)
         self.binding: Any = None                # an IOBinding with this batch bound (Runner.prepare)
@@ -109,9 +118,25 @@ class PreparedBatch:
         self.shape_key: Any = None              # the input shapes: what the output shapes were learned for
         self.slot: Any = None                   # its device slot (feeder.device.Slot), on a device feed
         self.unfed: Optional[Dict[str, np.ndarray]] = None  # arrays the session takes not (a pad mask it lacks)
+        self.ticket: Any = None                 # its copy to the device (feeder.device.Ticket)
+        self.pieces: Optional[List[Tuple[np.ndarray, ...]]] = None  # per input: the pieces copied straight
+        self.meta: Optional[List[Tuple[np.dtype, Tuple[int, ...]]]] = None  # per input: dtype and shape
+
+    def host_arrays(self) -> Sequence[np.ndarray]:
+        """The batch's arrays on the host, written now from its pieces where it has none."""
+        if self.pieces is not None and any(a is None for a in self.arrays):
+            arrays = list(self.arrays)
+            assert self.meta is not None
+            for i, (a, parts, (dtype, shape)) in enumerate(zip(arrays, self.pieces, self.meta)):
+                if a is None:
+                    out = np.empty(shape, dtype)
+                    np.concatenate(parts, axis=0, out=out)
+                    arrays[i] = out
+            self.arrays = arrays
+        return self.arrays
 
     def as_dict(self) -> Dict[str, np.ndarray]:
-        out = dict(zip(self.names, self.arrays))
+        out = dict(zip(self.names, self.host_arrays()))
         if self.unfed:
             out.update(self.unfed)
         return out
@@ -199,14 +224,25 @@ class Runner:
         self._unfed = {n for n in self.input_names if n not in specs} if specs else set()
         self.placement = placement if placement is not None else CPU
         self.slots: Optional[SlotRing] = None
+        self.transfer: Optional[Transfer] = None
         self._graph = False
         if self._use_binding and self.placement.on_device:
-            memory = DeviceMemory(self.placement, self._ort)
+            memory = DeviceMemory(self.placement, self._ort, devices.runtime_for(self.placement))
+            self.transfer = Transfer(memory)
             fed = [n for n in self.input_names if n not in self._unfed]
-            self.slots = SlotRing(memory, fed, ring_size, make_binding=session.io_binding)
+            # Without a CUDA runtime, update_inplace copies: it wants buffers of the batch's exact size.
+            self.slots = SlotRing(memory, fed, ring_size, make_binding=session.io_binding,
+                                  exact=not self.transfer.streamed)
             self._graph = cuda_graph_enabled(session)
         self._out_device = (self.slots.memory.device_type if self.slots is not None else "cpu",
                             self.placement.index)
+
+    @property
+    def prepares_in_order(self) -> bool:
+        """Whether :meth:`prepare` must see batches one at a time, in their order (a session
+        adapter's own ``prepare_batch`` was promised that); else any thread prepares any batch, and
+        several at once."""
+        return self._custom
 
     @property
     def ring_size(self) -> int:
@@ -231,6 +267,16 @@ class Runner:
         return alloc if callable(alloc) else None
 
     @property
+    def host_register(self) -> Optional[Callable[[int, int], Optional[Callable[[], None]]]]:
+        """Registers a worker process's shared-memory segment with the CUDA runtime as it is mapped
+        (``feeder.device.DeviceMemory.register``); None off a device, or where copies are not on a
+        stream (a custom adapter may offer its own: ``host_register``)."""
+        if self.transfer is not None:
+            return self.transfer.memory.register if self.transfer.streamed else None
+        reg = getattr(self.session, "host_register", None) if self._custom else None
+        return reg if callable(reg) else None
+
+    @property
     def device_outputs(self) -> bool:
         """Whether ``run(..., outputs="device")`` can return OrtValues (an InferenceSession bound
         through IOBinding); training adapters and string inputs return numpy only."""
@@ -253,10 +299,67 @@ class Runner:
 
     def close(self) -> None:
         """At stop: let go of the device slots and pooled bindings (device memory is freed once no
-        batch a consumer still runs refers to it)."""
+        batch a consumer still runs refers to it), once the copies in flight are done (what they
+        read must outlive them: a chunk's shared memory is unregistered and unmapped after)."""
+        if self.transfer is not None:
+            self.transfer.close()
         if self.slots is not None:
             self.slots.close()
         self._bindings.clear()
+
+    # ---- the device path (feeder.device) ---------------------------------------------------------
+    def direct(self, parts: Sequence[Sequence[np.ndarray]]) -> bool:
+        """Whether a batch of these pieces (per input, in order) goes to the device straight from
+        where they lie, with no host copy: each piece in memory the device copies from fast (a worker
+        process's registered shared memory, a pinned buffer), contiguous, along axis 0."""
+        transfer = self.transfer
+        if transfer is None or not transfer.streamed or self._unfed or len(parts) != len(self.input_names):
+            return False
+        fast = transfer.memory.fast
+        for pieces in parts:
+            for a in pieces:
+                if not a.flags.c_contiguous or not fast(a):
+                    return False
+        return True
+
+    def stages(self, views: Sequence[np.ndarray]) -> bool:
+        """Whether a batch handed on as views of one chunk should be copied into staging memory first:
+        on a stream, copies from pageable memory are synchronous and a quarter as fast."""
+        transfer = self.transfer
+        return transfer is not None and transfer.streamed and not self.direct([(v,) for v in views])
+
+    def device_figures(self) -> Dict[str, float]:
+        """device_bytes (device memory held now), device_allocations (device buffers allocated so far),
+        copy_s (seconds the device spent copying batches); zeros off a device."""
+        transfer = self.transfer
+        if transfer is None and self._custom:  # a StatefulSession's own (shared by its feeds)
+            transfer = getattr(self.session, "_transfer", None)
+        if transfer is None:
+            return {"device_bytes": 0.0, "device_allocations": 0.0, "copy_s": 0.0}
+        memory = transfer.memory
+        return {"device_bytes": float(memory.device_bytes), "device_allocations": float(memory.allocations),
+                "copy_s": float(transfer.copy_s)}
+
+    def _place(self, batch: PreparedBatch) -> None:
+        """Copy the batch into a device slot (asynchronously, on a stream) and bind its inputs there
+        with the batch's shapes; the ticket to wait on goes with the batch."""
+        assert self.slots is not None and self.transfer is not None
+        if batch.pieces is not None:
+            sources: List[Tuple[np.ndarray, ...]] = list(batch.pieces)
+        else:
+            sources = sources_of(batch.arrays)
+            batch.meta = [(a.dtype, a.shape) for a in batch.arrays]
+        assert batch.meta is not None
+        nbytes = [sum(p.nbytes for p in parts) for parts in sources]
+        slot = self.slots.acquire(nbytes, graph=self._graph)
+        try:
+            batch.ticket = self.transfer.copy(slot, sources)
+            slot.bind_inputs(batch.names, batch.meta, self._out_device)
+        except BaseException:
+            slot.release()
+            raise
+        batch.slot = slot
+        batch.shape_key = tuple(shape for _, shape in batch.meta)
 
     def _take_outputs(self, key: Any, template: "Template") -> List[np.ndarray]:
         """A set of output buffers for ``template`` that nobody holds (any thread may ask)."""
@@ -279,9 +382,8 @@ class Runner:
             if prepare is not None:
                 prepare(batch)
         elif self._use_binding:
-            arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in batch.arrays]
-            slots = self.slots
-            if slots is None:
+            if self.slots is None:
+                arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in batch.arrays]
                 from_numpy = self._ort.OrtValue.ortvalue_from_numpy
                 batch.ortvalues = [from_numpy(a) for a in arrays]
                 try:
@@ -290,11 +392,11 @@ class Runner:
                     binding = self.session.io_binding()
                 for name, ov in zip(batch.names, batch.ortvalues):
                     binding.bind_ortvalue_input(name, ov)
+                key = batch.shape_key = tuple(a.shape for a in arrays)
             else:
-                slot = batch.slot = slots.place(arrays)  # the copy to the device, ahead of the run
-                batch.ortvalues = slot.inputs
-                binding = slot.binding
-            key = batch.shape_key = tuple(a.shape for a in arrays)
+                self._place(batch)  # the copy to the device, ahead of the run
+                binding = batch.slot.binding
+                key = batch.shape_key
             try:
                 self._bind_outputs(binding, batch, list(self._want), key, self._want_where)
             except BaseException:
@@ -317,7 +419,10 @@ class Runner:
             self._bind_host_outputs(binding, batch, names, tkey, template)
             return
         slot = batch.slot
-        if self._graph and slot is not None and slot.index >= 0 and template is not None:
+        if self._graph and slot is not None and slot.index >= 0 and template is not None \
+                and slot.graph_shapes in (None, key):
+            # A CUDA graph per slot, for the first full shape it runs: its addresses never change.
+            slot.graph_shapes = key
             fixed = slot.outputs.get(tuple(names))
             if fixed is None:
                 assert self.slots is not None
@@ -372,6 +477,8 @@ class Runner:
                 self._bind_outputs(binding, batch, names, batch.shape_key, outputs)
         slot = batch.slot
         try:
+            if batch.ticket is not None:
+                batch.ticket.wait()  # its copy to the device (the feed's consumer waited already)
             options = run_options
             if slot is not None and self._graph:
                 options = self._graph_options(slot, run_options, batch)
@@ -398,7 +505,8 @@ class Runner:
 
     def _outputs(self, binding: Any, batch: PreparedBatch) -> List[Any]:
         slot = batch.slot
-        fixed = slot.outputs.get(tuple(batch.output_names or ())) if self._graph and slot is not None else None
+        fixed = slot.outputs.get(tuple(batch.output_names or ())) if self._graph and slot is not None \
+            and slot.graph_shapes == batch.shape_key else None
         if fixed is not None:  # a CUDA graph's own outputs: copied out, the graph keeps its buffers
             if batch.output_where == "device":
                 assert self.slots is not None
@@ -428,7 +536,8 @@ class Runner:
     def _graph_options(self, slot: Any, run_options: Any, batch: PreparedBatch) -> Any:
         """Run options naming the slot's CUDA graph (-1, no graph, for a batch of its own or one
         whose outputs are not bound to fixed buffers yet). The caller's own options get the entry."""
-        fixed = slot.index >= 0 and tuple(batch.output_names or ()) in slot.outputs
+        fixed = slot.index >= 0 and slot.graph_shapes == batch.shape_key and tuple(batch.output_names or ()) in \
+            slot.outputs
         graph_id = str(slot.index if fixed else -1)
         if run_options is not None:
             run_options.add_run_config_entry("gpu_graph_id", graph_id)
@@ -522,10 +631,16 @@ class StatefulSession:
         self.placement = placement
         self.device = "cuda" if placement.kind == "cuda" else "cpu"  # ONNX Runtime's device names
         self.device_id = placement.index
-        # Device slots for the batches (feeder.device): shared by every feed of this adapter.
+        # Device slots for the batches, and their copies on a stream of the adapter's own
+        # (feeder.device): shared by every feed of this adapter.
         self._slots: Optional[SlotRing] = None
+        self._transfer: Optional[Transfer] = None
         if placement.on_device:
-            self._slots = SlotRing(DeviceMemory(placement, self._ort), [], STATEFUL_SLOTS)
+            memory = DeviceMemory(placement, self._ort, devices.runtime_for(placement))
+            self._transfer = Transfer(memory)
+            self._slots = SlotRing(memory, [], STATEFUL_SLOTS, exact=not self._transfer.streamed)
+            # The stream lives as long as the adapter (its feeds come and go), and goes with it.
+            weakref.finalize(self, self._transfer.close).atexit = False
         inputs = {a.name: a for a in session.get_inputs()}
         outputs = {a.name: a for a in session.get_outputs()}
         self._state = dict(state)
@@ -574,6 +689,14 @@ class StatefulSession:
         """Staging memory for a feed's rebatcher (pinned on a GPU); None on the CPU."""
         return self._slots.memory.host_array if self._slots is not None else None
 
+    @property
+    def host_register(self) -> Optional[Callable[[int, int], Optional[Callable[[], None]]]]:
+        """Registers a worker process's shared memory with the CUDA runtime (a feed of this adapter
+        with worker processes maps it so); None on the CPU."""
+        if self._transfer is not None and self._transfer.streamed:
+            return self._transfer.memory.register
+        return None
+
     def prepare_batch(self, batch: PreparedBatch) -> None:
         """Wrap the batch's arrays as OrtValues on ``device`` (called when the batch is made, by
         whichever thread makes it, ahead of the step that runs it): zero-copy on the CPU, else
@@ -585,8 +708,15 @@ class StatefulSession:
         """
         arrays = [np.ascontiguousarray(a) for a in batch.arrays]
         if self._slots is not None:
-            slot = batch.slot = self._slots.place(arrays)
-            batch.ortvalues = slot.inputs
+            assert self._transfer is not None
+            slot = self._slots.acquire([a.nbytes for a in arrays])
+            try:  # issued on the adapter's stream; the step waits for it just before it runs
+                batch.ticket = self._transfer.copy(slot, [(a,) for a in arrays])
+            except BaseException:
+                slot.release()
+                raise
+            batch.slot = slot
+            batch.meta = [(a.dtype, a.shape) for a in arrays]
         else:
             from_numpy = self._ort.OrtValue.ortvalue_from_numpy
             batch.ortvalues = [from_numpy(a, self.device, self.device_id) for a in arrays]
@@ -607,9 +737,11 @@ class StatefulSession:
         unknown = [n for n in names if n not in self._plain_outputs and n not in self._state]
         if unknown:
             raise ValueError(f"unknown outputs {unknown}; outputs: {self._plain_outputs + list(self._state)}")
-        if batch.ortvalues is None:
+        if batch.ortvalues is None and batch.slot is None:
             self.prepare_batch(batch)
         try:
+            if batch.ticket is not None:
+                batch.ticket.wait()  # its copy to the device
             return self._step(batch, names, run_options)
         finally:
             batch.release()  # the step has run: its device slot may take the next batch
@@ -622,8 +754,14 @@ class StatefulSession:
             if self._binding is None:
                 self._binding = self.session.io_binding()
             b: Any = self._binding
-            for name, ov in zip(batch.names, batch.ortvalues or ()):
-                b.bind_ortvalue_input(name, ov)
+            slot = batch.slot
+            if slot is not None:  # in its device slot, bound by address with the batch's shapes
+                assert batch.meta is not None
+                for name, ptr, (dtype, shape) in zip(batch.names, slot.ptrs, batch.meta):
+                    b.bind_input(name, self.device, self.device_id, dtype.type, list(shape), ptr)
+            else:
+                for name, ov in zip(batch.names, batch.ortvalues or ()):
+                    b.bind_ortvalue_input(name, ov)
             for name in self._state_inputs:
                 b.bind_ortvalue_input(name, self._cur[name])
             b.clear_binding_outputs()

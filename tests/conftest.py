@@ -86,12 +86,12 @@ def _recorded_start(self):
     _started_pids.add(self.pid)
 
 
-def _recorded_map_fd(fd, size, *, close=True):
+def _recorded_map_fd(fd, size, *, close=True, **kwargs):
     try:
         segment = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         segment = f"segment of fd {fd}"
-    mem = _map_fd(fd, size, close=close)
+    mem = _map_fd(fd, size, close=close, **kwargs)
     try:
         ref = weakref.ref(mem)
     except TypeError:  # pragma: no cover - the mmap.mmap fallback (no C library mmap)

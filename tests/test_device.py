@@ -25,7 +25,7 @@ from models import (  # noqa: E402
     session,
 )
 from test_runtime import ID_OUTPUTS, IdRows, consume_checking, counting_fetcher, ids_of  # noqa: E402
-from utils import Sharded, XOnly, workers  # noqa: E402
+from utils import IdAndOne, Sharded, XOnly, workers  # noqa: E402
 
 import feeder  # noqa: E402
 from feeder.device import Placement, parse_device  # noqa: E402
@@ -71,20 +71,19 @@ class RecordingBinding:
             self._owner.bound[(name, value.data_ptr())] += 1
         self._inner.bind_ortvalue_input(name, value)
 
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        with self._owner._lock:
+            self._owner.bound[(name, buffer_ptr)] += 1
+        self._inner.bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
+
 
 def slow_copies(runner, pause=0.0005):
-    """Make the runner's copies to the device slow and torn: half the batch, a pause, the rest. A
-    run reading a slot while it is written would see rows of two batches."""
-    memory = runner.slots.memory
-
-    def to_device(array, value):
-        dst = value.numpy()  # a view: the "device" is host memory here
-        half = len(array) // 2
-        dst[:half] = array[:half]
-        time.sleep(pause)
-        dst[half:] = array[half:]
-
-    memory.to_device = to_device
+    """Make the runner's copies to the device slow and torn, on a stream thread of their own: half
+    the batch, a pause, the rest. A run reading a slot while it is written would see rows of two
+    batches. (Before the feed starts: the stream is made at the first copy.)"""
+    stand_in = feeder.device.StandIn(asynchronous=True, tear_s=pause)
+    runner.transfer.runtime = runner.transfer.memory.runtime = stand_in
+    return stand_in
 
 
 def test_device_strings_are_parsed_and_refused_clearly():
@@ -239,7 +238,7 @@ def test_device_memory_is_bounded_and_let_go_at_stop(coord):
         assert ring.slots() <= feed._runner.ring_size
     per_batch = 16 * 2 * 4
     assert 0 < ring.device_bytes() <= feed._runner.ring_size * per_batch
-    value = weakref.ref(ring._slots[0].inputs[0])
+    value = weakref.ref(ring._slots[0].buffers[0])
     coord.stop()
     assert ring.slots() == 0 and ring.device_bytes() == 0
     gc.collect()
@@ -436,3 +435,472 @@ def test_padded_batches_are_assembled_in_the_staging_memory(coord, monkeypatch):
             np.testing.assert_array_equal(out, expected_sums(ids))
             seen += ids.tolist()
     assert sorted(seen) == list(range(64))
+
+
+# ---- the device path against a stand-in of the CUDA runtime (issue 33) --------------------------------
+# A stand-in of the CUDA runtime (feeder.device.StandIn) under a "cpu:staged" feed: copies become
+# memmoves made on a stream thread of its own, after a delay, and every call is recorded. What a GPU
+# would not forgive is checked where it would happen: a run that starts before its copy is done, a copy
+# into a slot that a run is reading, memory reused or unregistered while a copy still reads it.
+from feeder.device import StandIn  # noqa: E402
+
+
+def stand_in_under_feeds(monkeypatch, **options):
+    """Every feed registered from now on copies through one recording, asynchronous stand-in."""
+    stand_in = StandIn(asynchronous=True, record=True, **options)
+    real = feeder.device.runtime_for
+    monkeypatch.setattr(feeder.device, "runtime_for", lambda p: stand_in if p.staged else real(p))
+    return stand_in
+
+
+class CheckedSession(RecordingSession):
+    """A RecordingSession that, at each run, checks with the stand-in that the inputs' copies are done,
+    and marks the inputs' device memory as being read until the run returns (a copy into it meanwhile is
+    a violation the stand-in reports)."""
+
+    def __init__(self, inner, stand_in, delay=0.0):
+        super().__init__(inner, delay)
+        self.stand_in = stand_in
+        self.reading = collections.Counter()  # addresses being read by a run
+        self.violations = []
+        stand_in.on_copy = self._on_copy
+
+    def io_binding(self):
+        return CheckedBinding(self._inner.io_binding(), self)
+
+    def _on_copy(self, dst, src, n):
+        with self._lock:
+            if any(ptr < dst + n and dst < ptr + size for (ptr, size), k in self.reading.items() if k):
+                self.violations.append(f"a copy into {dst:#x} while a run reads it")
+
+    def run_with_iobinding(self, binding, run_options=None):
+        inputs = list(binding.inputs.values())
+        for ptr, size in inputs:
+            if self.stand_in.busy(ptr, size):
+                self.violations.append(f"a run started before the copy into {ptr:#x} was done")
+        with self._lock:
+            for key in inputs:
+                self.reading[key] += 1
+        try:
+            super().run_with_iobinding(binding, run_options)
+        finally:
+            with self._lock:
+                for key in inputs:
+                    self.reading[key] -= 1
+
+
+class CheckedBinding(RecordingBinding):
+    def __init__(self, inner, owner):
+        super().__init__(inner, owner)
+        self.inputs = {}
+
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        self.inputs[name] = (buffer_ptr, int(np.prod(shape)) * np.dtype(element_type).itemsize)
+        super().bind_input(name, device_type, device_id, element_type, shape, buffer_ptr)
+
+
+def test_the_stand_in_copies_in_stream_order_and_its_events_tell_when():
+    import ctypes
+
+    s = StandIn(asynchronous=True, delay_s=0.05, record=True)
+    stream, event = s.stream_create(), s.event_create()
+    src, dst = np.arange(1000, dtype=np.int64), np.zeros(1000, np.int64)
+    s.memcpy_async(dst.ctypes.data, src.ctypes.data, src.nbytes, stream)
+    s.event_record(event, stream)
+    assert s.busy(dst.ctypes.data, 8) and not s.event_query(event)  # in flight
+    s.event_synchronize(event)
+    assert s.event_query(event) and not s.busy(dst.ctypes.data, 8)
+    assert (dst == src).all()
+    s.host_unregister(ctypes.addressof(ctypes.c_int()))
+    assert s.violations and "not registered" in s.violations[0]
+    s.stream_destroy(stream)
+    assert [c[0] for c in s.calls][:4] == ["cudaStreamCreateWithFlags", "cudaEventCreateWithFlags",
+                                           "cudaMemcpyAsync", "cudaEventRecord"]
+
+
+def test_a_copy_keeps_what_it_reads_until_its_event_and_close_waits_for_it():
+    from feeder.device import DeviceMemory, SlotRing, Transfer
+
+    ort = pytest.importorskip("onnxruntime")
+    s = StandIn(asynchronous=True, delay_s=0.05)
+    memory = DeviceMemory(Placement("cpu", 0, staged=True), ort, s)
+    transfer = Transfer(memory)
+    ring = SlotRing(memory, ["x"], 2)
+    staging = memory.host_array((256,), np.float32)
+    staging[:] = np.arange(256)
+    assert memory.fast(staging)  # staging memory is what the device copies from fast
+    slot = ring.acquire([staging.nbytes])
+    ticket = transfer.copy(slot, [(staging,)])
+    alive = weakref.ref(staging)
+    del staging
+    gc.collect()
+    assert alive() is not None, "the memory a copy reads was let go before the copy was done"
+    ticket.wait()
+    gc.collect()
+    assert alive() is None, "the memory a copy read was kept after the copy was done"
+    assert np.array_equal(slot.buffers[0].numpy().view(np.float32)[:256], np.arange(256))
+    other = np.ones(64, np.float32)
+    transfer.copy(slot, [(other,)])  # in flight when the slot is let go (stop): its buffer must outlive it
+    ptr = slot.ptrs[0]
+    written = weakref.ref(slot.buffers[0])
+    ring.close()
+    del slot
+    gc.collect()
+    assert written() is not None, "a device buffer was let go while a copy into it was in flight"
+    transfer.close()  # waits for the copy in flight
+    assert not s.busy(ptr, 256) and s.copies == 2 and transfer.pending() == 0
+    gc.collect()
+    assert written() is None
+
+
+@pytest.mark.parametrize("consumers", [1, 3])
+def test_no_run_before_its_copy_and_no_slot_written_while_a_run_reads_it(monkeypatch, mode, consumers):
+    """Copies made late (on the stand-in's stream thread, 2 ms each), runs that read late, threads or
+    worker processes, one or three consumers: no run starts before its copy's event, no copy goes into a
+    slot a run reads, every row once, and no violation seen by the stand-in."""
+    stand_in = stand_in_under_feeds(monkeypatch, delay_s=0.002)
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    sess = CheckedSession(session(id_outputs_model()), stand_in, delay=0.0003)
+    n = 1200
+    feeder.init_data_input_workers(sess, ["x"], IdAndOne(Sharded(n, 2, sizes=(5, 16, 11))), 16, coordinator=coord,
+                                   timeout=60, device=STAGED, **workers(mode, 2))
+    seen, errors = [], []
+    patterns = [[["a"], None], [["b", "c"], ["c"]], [None, ["c", "a", "b"]]][:consumers]
+    with coord:
+        feed = coord.feed("train")
+        threads = [threading.Thread(target=consume_checking, args=(feed, p, seen, errors)) for p in patterns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not sess.violations, sess.violations[:3]
+    assert not errors, errors[0]
+    assert sorted(seen) == list(range(n)), "rows lost or delivered twice"
+    assert not stand_in.violations, stand_in.violations[:3]
+    assert stand_in.copies > 0 and sess.runs == -(-n // 16) or sess.runs >= n // 16
+
+
+def test_worker_processes_chunks_go_to_the_device_from_registered_shared_memory(monkeypatch):
+    """Worker processes: each segment is registered before the first copy from it and unregistered
+    before it is unmapped; every copy reads registered memory; a chunk's shared memory goes back to its
+    worker only once the copy that read it is done; the parent copies no byte on the host, and the
+    device gets every byte of every batch once."""
+    from feeder.processes import shm
+
+    stand_in = stand_in_under_feeds(monkeypatch, delay_s=0.001)
+    log = []  # (what, address) in the order it happened, stand-in calls and unmaps together
+    mmap_, munmap = shm._LIBC_MMAP
+
+    def recording_munmap(addr, size):
+        log.append(("munmap", addr, size))
+        return munmap(addr, size)
+
+    monkeypatch.setattr(shm, "_LIBC_MMAP", (mmap_, recording_munmap))
+    real_register, real_unregister = stand_in.host_register, stand_in.host_unregister
+    monkeypatch.setattr(stand_in, "host_register", lambda p, n: (log.append(("register", p, n)), real_register(p, n)))
+    monkeypatch.setattr(stand_in, "host_unregister", lambda p: (log.append(("unregister", p, 0)), real_unregister(p)))
+    real_copy = stand_in.memcpy_async
+
+    def copy(dst, src, n, stream):
+        log.append(("copy", src, n))
+        return real_copy(dst, src, n, stream)
+
+    monkeypatch.setattr(stand_in, "memcpy_async", copy)
+    segments = {}  # control page id -> the worker's maps, to find a slot's memory when it is released
+    real_release = shm.ControlPage.release
+    early = []
+
+    def release(page, slot):
+        maps = segments.get(id(page))
+        mem = maps.get(slot) if maps is not None else None
+        if mem is not None:
+            import ctypes
+
+            if stand_in.busy(ctypes.addressof(mem), len(mem)):
+                early.append(slot)
+        return real_release(page, slot)
+
+    monkeypatch.setattr(shm.ControlPage, "release", release)
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    n = 3000
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, ["x"], XOnly(Sharded(n, 2, sizes=(5, 16, 11, 40))), 16, coordinator=coord,
+                                   timeout=60, device=STAGED, num_worker_processes=2)
+    seen, delivered_bytes = [], 0
+    with coord:
+        feed = coord.feed("train")
+        while True:
+            for w in feed._fetchers._workers:
+                if w.control is not None:
+                    segments[id(w.control)] = w.maps
+            try:
+                (a,) = feed.run(["a"])
+            except StopIteration:
+                break
+            seen.extend(a[:, 0].astype(int).tolist())
+            delivered_bytes += a.shape[0] * 8
+        assert feed._rebatcher.copied_bytes == 0, "the parent copied rows on the host"
+        assert feed._rebatcher.zero_copy_batches == -(-n // 16)
+    assert sorted(seen) == list(range(n))
+    assert stand_in.copied_bytes == delivered_bytes, "a byte went to the device twice, or not at all"
+    assert not early, f"slots given back to their worker while a copy read them: {early[:5]}"
+    assert not stand_in.violations, stand_in.violations[:3]
+    registered = {}  # address -> size, as the log goes
+    for what, addr, size in log:
+        if what == "register":
+            registered[addr] = size
+        elif what == "copy":
+            assert any(p <= addr < p + k for p, k in registered.items()), "a copy from memory not registered"
+        elif what == "unregister":
+            registered.pop(addr)
+        elif what == "munmap":
+            assert addr not in registered, "a segment unmapped while still registered"
+    assert any(w == "register" for w, _, _ in log) and not registered, "segments left registered after stop"
+
+
+def test_fetcher_threads_coalesce_into_pinned_buffers_that_go_to_the_device_as_they_are(monkeypatch, coord):
+    stand_in = stand_in_under_feeds(monkeypatch)
+    feeder.init_data_input_workers(session(id_outputs_model()), ["x"], XOnly(Sharded(4000, 2, sizes=(2, 3))), 64,
+                                   coordinator=coord, timeout=60, device=STAGED, num_worker_threads=2)
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        while True:
+            try:
+                (a,) = feed.run(["a"])
+            except StopIteration:
+                break
+            seen.extend(a[:, 0].astype(int).tolist())
+        rb = feed._rebatcher
+        assert rb.zero_copy_batches >= 4000 // 64 - 4 and rb.copied_bytes <= 4 * 64 * 8  # the pieces left at the end
+    assert sorted(seen) == list(range(4000))
+    assert not stand_in.violations
+
+
+def test_a_padded_feed_on_a_device_stops_allocating_device_memory(coord):
+    """Slots take batches of any shape up to their capacity, bound by address with their shape: 125
+    padded batches of changing lengths allocate a few device buffers, not one per new length."""
+    from test_pad_feed import mask_model
+
+    def row(k):  # lengths 1..40, here and there
+        return k * 100 + 1 + np.arange((k * 7919) % 40 + 1, dtype=np.int64)
+
+    chunks = iter(range(0, 1000, 5))
+
+    def fetch(worker_id, batch_size):
+        start = next(chunks)  # (StopIteration at the end)
+        ids = np.arange(start, start + 5)
+        return {"tokens": [row(int(k)) for k in ids], "id": ids}
+
+    feeder.init_data_input_workers(session(mask_model("tokens_mask")), None, fetch, 8, num_worker_threads=1,
+                                   coordinator=coord, pad={"tokens": 0}, device=STAGED)
+    lengths = set()
+    with coord:
+        feed = coord.feed("train")
+        while True:
+            try:
+                out, ids = feed.run()
+            except StopIteration:
+                break
+            np.testing.assert_array_equal(out, np.array([row(int(k)).sum() for k in ids], np.float32))
+            lengths.add(feed._runner.slots._slots[0].bound[0])
+        m = feed.metrics()
+    ring = feed._runner.slots
+    assert m["batches"] == 125 and len(lengths) > 3
+    # each of the ring's slots grows a few times at most (to the longest batch), whatever the lengths
+    assert m["device_allocations"] <= 2 * ring.size * 3, (m["device_allocations"], len(lengths))
+    gc.collect()
+    assert feed.metrics()["device_bytes"] == 0  # let go at stop
+
+
+def test_device_memory_figures(coord):
+    feeder.init_data_input_workers(session(id_outputs_model()), None, IdRows(10**6), 16, num_worker_threads=1,
+                                   coordinator=coord, device=STAGED, timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(50):
+        feed.run()
+    m = feed.metrics()
+    ring = feed._runner.slots
+    assert m["device_bytes"] == ring.device_bytes() > 0
+    assert m["device_allocations"] == ring.allocations + ring.one_offs, (ring.allocations, ring.one_offs)
+    assert m["copy_s"] > 0 and feed.stage_times().copy_s == m["copy_s"]
+    for _ in range(300):
+        feed.run()
+    # steady state allocates nothing: a buffer per slot at most (made as more batches are alive at once)
+    assert feed.metrics()["device_allocations"] <= ring.size + ring.one_offs
+
+
+def test_without_a_cuda_runtime_copies_go_through_update_inplace_and_the_log_says_so(monkeypatch, coord, caplog):
+    monkeypatch.setattr(feeder.device, "runtime_for", lambda p: None)
+    with caplog.at_level("INFO", logger="feeder"):
+        feeder.init_data_input_workers(session(id_outputs_model()), None, IdRows(3000), 16, num_worker_threads=2,
+                                       coordinator=coord, device=STAGED, timeout=30)
+    assert sum("update_inplace" in r.getMessage() for r in caplog.records) == 1
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        assert not feed._runner.transfer.streamed
+        while True:
+            try:
+                (c,) = feed.run(["c"])
+            except StopIteration:
+                break
+            seen.extend((c - 1).astype(int).tolist())
+    assert sorted(seen) == list(range(3000))
+
+
+def test_stateful_session_copies_its_batches_on_its_stream(monkeypatch):
+    from test_training import DIM, chunked, separable
+
+    stand_in = stand_in_under_feeds(monkeypatch, delay_s=0.001)
+    x, y = separable(1500, seed=3)
+    results = {}
+    for device in ("cpu", STAGED):
+        c = feeder.GlobalCoordinator(join_timeout=3.0)
+        adapter = feeder.StatefulSession(session(logistic_train_step(DIM)), LOGISTIC_STATE, logistic_zero_state(DIM),
+                                         device=device)
+        feeder.init_data_input_workers(adapter, None, chunked(x, y), 32, num_worker_threads=1, ordered=True,
+                                       coordinator=c, timeout=30)
+        losses = []
+        with c:
+            feed = c.feed("train")
+            while True:
+                try:
+                    (loss,) = feed.run(["loss"])
+                except StopIteration:
+                    break
+                losses.append(float(loss))
+            figures = feed.metrics()
+        results[device] = (losses, adapter.state())
+    assert results["cpu"][0] == results[STAGED][0]
+    assert stand_in.copies > 0 and not stand_in.violations
+    assert figures["copy_s"] > 0 and figures["device_allocations"] > 0
+    assert any(call == "cudaEventSynchronize" for call, _, _ in stand_in.calls)
+    del adapter
+    gc.collect()  # the adapter's stream (here a stand-in's thread) goes with the adapter
+
+
+def test_a_trace_shows_fetch_assemble_copy_wait_and_run(tmp_path, coord, mode, monkeypatch):
+    import json
+
+    monkeypatch.setattr(feeder.feed, "PARALLEL_BYTES", 0)  # every batch written outside the lock: "assemble"
+    feeder.init_data_input_workers(session(id_outputs_model()), ["x"], XOnly(Sharded(10**6, 2, sizes=(5, 16))), 16,
+                                   coordinator=coord, timeout=60, device=STAGED, **workers(mode, 2))
+    path = tmp_path / "trace.json"
+    coord.start()
+    feed = coord.feed("train")
+    for _ in range(5):
+        feed.run()
+    with feed.trace(path) as tracer:
+        for _ in range(40):
+            feed.run()
+        with pytest.raises(feeder.FeederError, match="already"):
+            with feed.trace(tmp_path / "two.json"):
+                pass
+    assert feed._trace.tracer is None and len(tracer.events()) > 40
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    # (worker processes' chunks go to the device from their shared memory: nothing is assembled on the host)
+    assert {"fetch", "copy", "run"} | ({"assemble"} if mode == "threads" else set()) <= names, names
+    assert all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 for e in spans)
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(e["tid"] in threads for e in spans)
+    assert any(name.endswith(":stream") for name in threads.values())
+    if mode == "processes":
+        assert any(":proc-" in name for name in threads.values())
+    for _ in range(5):
+        feed.run()  # no trace: nothing more recorded
+    assert len(json.loads(path.read_text())["traceEvents"]) == len(events)
+
+
+def test_the_cuda_runtime_binding_against_a_c_stand_in(tmp_path):
+    """feeder.device.cudart.CudaRuntime, the ctypes binding used on a GPU, against a C library with the
+    CUDA runtime's signatures (tests/cudart_stub.c, whose soname is libcudart.so.13): found already
+    loaded (RTLD_NOLOAD, as after ONNX Runtime's CUDA provider loads the real one), the copy path of a
+    Transfer end to end, registration, errors named and the runtime's last error cleared."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    from feeder.device import DeviceMemory, SlotRing, Transfer
+    from feeder.device.cudart import CudaError, CudaRuntime
+
+    ort = pytest.importorskip("onnxruntime")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if CudaRuntime.loaded() is not None or not NO_CUDA:
+        # (the stub, once loaded, would be found where the CUDA provider looks for the real one)
+        pytest.skip("the CUDA provider is installed here: the real runtime is tested in test_gpu.py")
+    lib_path = tmp_path / "libcudart.so.13"
+    src = os.path.join(os.path.dirname(__file__), "cudart_stub.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcudart.so.13", "-o", str(lib_path), src],
+                   check=True)
+    stub = ctypes.CDLL(str(lib_path), mode=os.RTLD_GLOBAL)
+    stub.stub_copied.restype = ctypes.c_long
+    runtime = CudaRuntime.loaded()
+    assert runtime is not None and runtime.soname == "libcudart.so.13"
+    memory = DeviceMemory(Placement("cpu", 0, staged=True), ort, runtime)
+    transfer = Transfer(memory)
+    ring = SlotRing(memory, ["x"], 2)
+    staging = memory.host_array((3, 5), np.float32)  # pinned, through cudaHostAlloc
+    assert isinstance(staging.base, feeder.device._HostBuffer) and memory.fast(staging)
+    staging[:] = np.arange(15).reshape(3, 5)
+    slot = ring.acquire([staging.nbytes + 4])
+    pieces = (staging[:1], staging[1:])
+    ticket = transfer.copy(slot, [pieces])
+    ticket.wait()
+    assert ticket.done and stub.stub_copied() == staging.nbytes and stub.stub_device() == 0
+    assert np.array_equal(slot.buffers[0].numpy()[:staging.nbytes].view(np.float32), np.arange(15))
+    assert transfer.copy_s == pytest.approx(0.00025)  # the events' elapsed time
+    shared = np.zeros(4096, np.uint8)
+    undo = memory.register(shared.ctypes.data, shared.nbytes)
+    assert undo is not None and stub.stub_registered() == 1 and memory.fast(shared)
+    undo()
+    undo()  # once only
+    assert stub.stub_registered() == 0 and not memory.fast(shared)
+    with pytest.raises(CudaError, match=r"cudaHostRegister failed: CUDA error 1 \(invalid argument\)"):
+        runtime.host_register(0, 0)
+    assert stub.stub_last_error() == 0  # cleared: ONNX Runtime's own checks must not see it
+    assert memory.register(0, 0) is None  # a segment that cannot be registered is staged instead
+    transfer.close()
+    del staging, pieces, ticket
+
+
+def test_cuda_graph_bookkeeping_runs_each_slot_at_one_shape_and_never_moves_it(coord):
+    """The CUDA-graph path (a graph per slot, for the first full batch shape it runs, its outputs in
+    fixed buffers of its own) exercised on the CPU: the provider ignores gpu_graph_id, feeder's
+    bookkeeping is the same. A slot that runs a graph keeps its addresses and its shape; the short last
+    batch runs without a graph; outputs are right, host and device."""
+    n = 16 * 60 + 5
+    sess = session(id_outputs_model())
+    feeder.init_data_input_workers(sess, None, IdRows(n), 16, num_worker_threads=2, coordinator=coord, timeout=60,
+                                   device=STAGED)
+    runner = coord.feed("train")._runner
+    runner._graph = True
+    addresses = {}
+    seen = []
+    with coord:
+        feed = coord.feed("train")
+        k = 0
+        while True:
+            outputs = "device" if k % 3 else "host"
+            k += 1
+            try:
+                a, b = feed.run(["a", "b"], outputs=outputs)
+            except StopIteration:
+                break
+            a, b = (o.numpy() if outputs == "device" else o for o in (a, b))
+            np.testing.assert_array_equal(b, 2 * a)
+            seen.extend(a[:, 0].astype(int).tolist())
+            for slot in runner.slots._slots:
+                if slot.graph_shapes is not None:
+                    assert slot.graph_shapes == ((16, 2),)
+                    first = addresses.setdefault(slot.index, tuple(slot.ptrs))
+                    assert first == tuple(slot.ptrs), "a graph's slot moved"
+    assert sorted(seen) == list(range(n))
+    assert addresses, "no slot ran as a graph"

@@ -198,3 +198,51 @@ def test_figures_freeze_when_the_feed_stops_or_its_data_ends(coord):
     assert (feed.diagnose(), feed.metrics()) == stopped
     assert (finite.diagnose(), finite.metrics()) == ended
     assert stopped[1]["inputs_per_sec"] > 0 and stopped[1]["uptime_s"] > 0.3
+
+
+# ---- the stages between the fetchers and the runtime (issue 33) ---------------------------------------
+def test_a_copy_bound_device_feed_is_named_so_and_never_told_to_add_fetchers():
+    """The H100 measurement's case: fetchers waiting (I/O-like, little CPU), the consumer waiting for
+    batches, and the copies to the device taking the time. It said "more worker threads help"."""
+    t = times(fetch_s=4.0, fetch_cpu_s=1.0, copy_s=8.5, device=True, assemble_s=1.0, assemble_threads=4)
+    text = verdict(t)
+    assert text.startswith("Copy-bound") and "85%" in text, text
+    assert "more fetchers would not help" in text
+    assert "num_worker_threads" not in text and "more worker threads" not in text
+    assert "copying them to the device 8.50 s" in text
+    # without the copy's share, the same figures are the fetchers' to explain
+    assert not verdict(times(fetch_s=4.0, fetch_cpu_s=1.0, device=True)).startswith("Copy-bound")
+
+
+def test_an_assemble_bound_feed_is_named_so_with_its_threads():
+    text = verdict(times(fetch_s=3.0, fetch_cpu_s=1.0, assemble_s=14.0, assemble_threads=2))
+    assert text.startswith("Assemble-bound") and "assemble_threads (now 2)" in text, text
+    assert "num_worker_threads" not in text
+    # busy fetchers stay the fetchers' bound
+    assert not verdict(times(assemble_s=14.0, assemble_threads=2)).startswith("Assemble-bound")
+
+
+def test_a_device_feed_whose_copies_are_slow_says_copy_bound(coord, monkeypatch):
+    """For real, on the stand-in of the CUDA runtime: each copy takes 20 ms on its stream, fetching
+    and the model take next to nothing."""
+    from models import id_outputs_model
+
+    from feeder.device import StandIn
+
+    stand_in = StandIn(asynchronous=True, delay_s=0.02)
+    monkeypatch.setattr(feeder.device, "runtime_for", lambda p: stand_in)
+    feeder.init_data_input_workers(session(id_outputs_model()), None, fast_fetch2, 64, num_worker_threads=2,
+                                   coordinator=coord, device="cpu:staged", timeout=30)
+    coord.start()
+    feed = coord.feed("train")
+    feed.run()
+    run_for(feed, 1.5, feed.run)
+    t = feed.stage_times()
+    assert t.copy_s > 0.5 * t.elapsed_s, t
+    text = feed.diagnose()
+    assert text.startswith("Copy-bound"), text
+    assert "num_worker_threads" not in text
+
+
+def fast_fetch2(worker_id, batch_size):
+    return [np.ones((batch_size, 2), np.float32)]

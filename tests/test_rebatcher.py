@@ -206,3 +206,64 @@ def test_concatenate_into_object_arrays_keep_references():
     concatenate_into(out, pieces, 0)
     del pieces
     assert out.tolist() == ["a", "bb", "ccc"]
+
+
+# ---- plan / execute (issue 33): the feed plans under its lock and writes outside it ------------------
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), max_size=30), batch_size=st.integers(1, 17), axis=st.sampled_from([0, 1]),
+       ring=st.booleans(), reorder=st.booleans(), order=st.randoms(use_true_random=False),
+       flush=st.booleans())
+def test_property_plans_executed_in_any_order_are_the_batches_pop_gives(sizes, batch_size, axis, ring, reorder,
+                                                                       order, flush):
+    """Plans made one after the other and executed later, in a random order (as several threads would),
+    give exactly the batches pop() gives, in plan order; each plan's buffers are its own."""
+    popper = Rebatcher(batch_size, [0, axis], BufferRing(2) if ring else None, reorder=reorder)
+    planner = Rebatcher(batch_size, [0, axis], BufferRing(2) if ring else None, reorder=reorder)
+    expected, plans, start = [], [], 0
+    for n in sizes:
+        popper.add(chunk(start, n, axis))
+        planner.add(chunk(start, n, axis))
+        start += n
+        while (b := popper.pop()) is not None:
+            expected.append([a.copy() for a in b])
+        while (p := planner.plan()) is not None:
+            planner.buffers(p)
+            plans.append(p)
+    if flush:
+        if (b := popper.flush()) is not None:
+            expected.append([a.copy() for a in b])
+        if (p := planner.plan_flush()) is not None:
+            planner.buffers(p, use_ring=False)
+            plans.append(p)
+    assert len(plans) == len(expected)
+    assert planner.pending_rows == popper.pending_rows  # planned rows leave the pending rows at once
+    got = [None] * len(plans)
+    for i in order.sample(range(len(plans)), len(plans)):
+        got[i] = [a.copy() for a in plans[i].execute()]
+    for g, e in zip(got, expected):
+        assert [a.tolist() for a in g] == [a.tolist() for a in e]
+    outs = [id(a) for p in plans if p.out is not None for a in p.out]
+    assert len(outs) == len(set(outs)), "two plans share a buffer"
+    assert planner.copied_bytes == popper.copied_bytes
+    assert planner.zero_copy_batches == popper.zero_copy_batches
+
+
+def test_a_plan_holds_its_buffers_until_it_is_executed_and_dropped():
+    ring = BufferRing(2)
+    rb = Rebatcher(4, [0, 0], ring)
+    for i in range(6):
+        rb.add(chunk(i * 3, 3))
+    plans = []
+    while (p := rb.plan()) is not None:
+        rb.buffers(p)
+        plans.append(p)
+    assert len(plans) == 4
+    assert ring.allocations == 4  # none reused while a plan holds it
+    assert [p.execute()[0].tolist() for p in reversed(plans)][::-1] == [list(range(k, k + 4)) for k in (0, 4, 8, 12)]
+    with pytest.raises(RuntimeError, match="before it was given buffers"):
+        rb.add(chunk(18, 4))
+        rb.add(chunk(22, 1))
+        unbuffered = rb.plan()
+        rb.add(chunk(23, 3))
+        rb.plan().execute()  # a view: needs no buffer
+        unbuffered.execute()

@@ -488,3 +488,17 @@ class CountingSource:
             raise StopIteration
         self.done[worker_id] = n + 1
         return [np.full((4, 1), worker_id, np.float32)]
+
+
+class IdAndOne:
+    """A ``Sharded``-like fetch function's rows as x = [id, 1.0] (what ``id_outputs_model``'s outputs
+    tell the rows by: tests/test_runtime.py ``ids_of``), for threads and worker processes alike."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, worker_id: int, batch_size: int):
+        ids = self.inner(worker_id, batch_size)[0]
+        x = np.ones((len(ids), 2), np.float32)
+        x[:, 0] = ids
+        return [x]

@@ -67,6 +67,7 @@ from ..chunkqueue import Chunk, ChunkQueue
 from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
 from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
 from ..pacing import NoneReport
+from ..trace import TraceHook
 from ..tuning import Throttle
 from ..validation import ChunkValidator
 from .child import worker_main
@@ -260,9 +261,15 @@ class ProcFetchers:
 
     def __init__(self, *, source: ChunkQueue, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator,
                  worker_ids: Sequence[int], max_fetch_errors: int, stop: threading.Event, options: ProcessOptions,
-                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None):
+                 throttle: Optional[Throttle] = None, pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
+                 register: Optional[Callable[[int, int], Optional[Callable[[], None]]]] = None,
+                 trace: Optional[TraceHook] = None):
         self.source = source
         self._pump = pump  # Feed.pump_put: receivers take their chunks on into the feed's ready queue
+        # A device feed's registration of each segment with the CUDA runtime, as it is mapped (what it
+        # returns unregisters it, and runs before the segment is unmapped: feeder.processes.shm.map_fd)
+        self._register = register
+        self._trace = trace
         self.states = [WorkerState(w) for w in worker_ids]
         self._workers = [_Worker(s) for s in self.states]
         self._fetch_fun = fetch_fun
@@ -532,8 +539,15 @@ class ProcFetchers:
 
     def _update(self, w: _Worker, stats: Tuple[Any, ...]) -> None:
         s = w.state
+        fetch_before = s.fetch_s
         (s.calls, s.chunks, rows, s.none_chunks, s.empty_chunks, s.fetch_errors, s.fetch_s, s.cpu_s, wall_s,
          child_state, age, counters, keys) = stats
+        tracer = self._trace.tracer if self._trace is not None else None
+        if tracer is not None and s.fetch_s > fetch_before:
+            # The child's time in fetch_fun since its last report, ending as the parent hears of it.
+            now = time.monotonic()
+            tracer.span("fetch", now - (s.fetch_s - fetch_before), now, track=f"feeder:{self.source.name}:proc-"
+                        f"{s.worker_id} (pid {w.pid})")
         if counters is not None:
             s.counters = counters
         if keys is not None:  # rows its fetch_fun filtered: recorded as done (feeder.sources.transform)
@@ -558,7 +572,7 @@ class ProcFetchers:
                     raise SegmentError(f"a segment for slot {slot!r}, which is not a slot")
                 check_segment(fd, sizes[0], self._device)
                 try:
-                    w.maps[slot] = map_fd(fd, sizes[0], close=False)
+                    w.maps[slot] = map_fd(fd, sizes[0], close=False, register=self._register)
                 except OSError as e:
                     raise SegmentError(f"a segment that could not be mapped ({e})") from None
             finally:

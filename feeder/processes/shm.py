@@ -52,7 +52,7 @@ import threading
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -153,12 +153,17 @@ _LIBC_MMAP = _libc_mmap()  # constant: the C library's mmap and munmap, or None
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def map_fd(fd: int, size: int, *, close: bool = True) -> Any:
+def map_fd(fd: int, size: int, *, close: bool = True,
+           register: Optional[Callable[[int, int], Optional[Callable[[], None]]]] = None) -> Any:
     """Map ``size`` bytes of ``fd`` shared and writable; closes ``fd`` unless ``close=False``.
 
     Returns an object exporting the memory as a buffer (numpy's ``frombuffer`` takes it and
     keeps it as the base of its arrays). No descriptor stays open for the mapping, and the
-    memory is unmapped once the object is garbage, that is after its last view is gone."""
+    memory is unmapped once the object is garbage, that is after its last view is gone.
+
+    ``register(address, size)``, when given, is called once the memory is mapped (a device feed
+    registers it with the CUDA runtime, ``feeder.device``); what it returns is called just before
+    the memory is unmapped, never after (memory unmapped while registered breaks the CUDA runtime)."""
     try:
         if _LIBC_MMAP is None:  # pragma: no cover - keeps a descriptor per mapping
             return mmap.mmap(fd, size)
@@ -168,12 +173,20 @@ def map_fd(fd: int, size: int, *, close: bool = True) -> Any:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
         mem = (ctypes.c_ubyte * size).from_address(addr)
+        undo = register(addr, size) if register is not None else None
         # Not at exit: a daemon thread may still read a batch while the interpreter finalizes.
-        weakref.finalize(mem, munmap, addr, size).atexit = False
+        weakref.finalize(mem, _unmap, munmap, addr, size, undo).atexit = False
         return mem
     finally:
         if close:
             os.close(fd)
+
+
+def _unmap(munmap: Any, addr: int, size: int, before: Optional[Callable[[], None]]) -> None:
+    """Unmap a segment, after what must come first (unregistering it from the CUDA runtime)."""
+    if before is not None:
+        before()
+    munmap(addr, size)
 
 
 def segment_size(nbytes: int) -> int:
