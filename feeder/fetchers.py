@@ -46,7 +46,17 @@ SLICE_S = 0.05            # longest single wait, so a stop is seen within this m
 COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putting them as they are
 COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
 COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
-COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced
+COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced (but see MADE_BYTES_PER_S)
+# A chunk of more than that (and less than a batch) is cut into batches by its own fetcher too when
+# the call that made it took at least as long as copying its bytes at this rate would (a chunk the
+# call wrote, not a view it returned), and other fetchers feed the source: the copy then reads rows
+# still in this core's cache, beside the other fetchers' copies, instead of every copy falling to the
+# one thread that plans batches. Measured on 2 cores (benchmarks/compare.py s-large: 64-row chunks of
+# 3 MB, made by a copy, batch 128): 2 fetcher threads went from 0.86-1.0x to 1.17-1.32x the serial
+# loop; chunks that are views (scenario b) keep the old way (coalescing them ran at 0.5-0.6x).
+# Chunks under MADE_MIN_BYTES keep the old way: their copy is cheap wherever it runs.
+MADE_BYTES_PER_S = 20e9
+MADE_MIN_BYTES = 256 << 10
 CPU_SAMPLE_S = 0.05       # fetchers read their CPU clock this often (it is ~8x dearer than monotonic)
 SHORT_CALL_S = 0.0002     # fetch_fun calls shorter than this are made by one fetcher of a source at a time (Turns)
 TURN_S = 0.005            # a fetcher with the turn hands it on after a batch, or after this long, if others wait
@@ -204,6 +214,7 @@ class Coalescer:
         # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
         # keep coalesced batches on its batch boundaries (see the module docstring).
         self.realign = source.single_stream()
+        self.shared = not self.realign  # other fetchers (or feeds) share the source: see MADE_BYTES_PER_S
         self.offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
         self.unput = 0   # chunks added since the last put: the queue slots a batch stands for
         self._wid = state.worker_id
@@ -244,13 +255,16 @@ class Coalescer:
             self.held_since = 0.0
         return True
 
-    def add(self, arrays: Tuple[np.ndarray, ...], rows: int, bs: int, now: float, slow_call: bool) -> bool:
-        """Take a validated chunk; put what makes whole batches. False if a put failed (stop)."""
+    def add(self, arrays: Tuple[np.ndarray, ...], rows: int, bs: int, now: float, slow_call: bool,
+            call_s: float = 0.0) -> bool:
+        """Take a validated chunk (``call_s``: seconds the call that made it took); put what makes
+        whole batches. False if a put failed (stop)."""
         rb = self.rb
         if bs != rb.batch_size:
             rb.set_batch_size(bs)
             self.realign = False  # the enqueuer's boundaries moved: alignment is no longer known
-        if rows * COALESCE_FRACTION > bs:
+        if rows * COALESCE_FRACTION > bs and not (
+                self.shared and not slow_call and rows < bs and self._made(arrays, call_s)):
             # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
             # buffer it reuses. Rows held before it go first, so that order is kept.
             if rb.pending_rows and not self.put_pending():
@@ -286,6 +300,13 @@ class Coalescer:
         if self.held_since and slow_call:
             return self.put_pending()
         return True
+
+    @staticmethod
+    def _made(arrays: Tuple[np.ndarray, ...], call_s: float) -> bool:
+        """A big chunk that the call took at least as long to make as copying it takes (see
+        MADE_BYTES_PER_S)."""
+        nbytes = sum(a.nbytes for a in arrays)
+        return nbytes >= MADE_MIN_BYTES and call_s * MADE_BYTES_PER_S >= nbytes
 
     def flush_if_stale(self, now: float) -> None:
         """Put rows held longer than COALESCE_HOLD_S while the fetcher is parked; never blocks."""
@@ -654,7 +675,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 carried = _burst(co, fetch_fun, wid, bs, validator._single, check, state)
                 continue
             put_before = state.rows_put
-            if not co.add(arrays, rows, bs, now, slow):
+            if not co.add(arrays, rows, bs, now, slow, now - state.since):
                 return
             state.copied_bytes = rb.copied_bytes
             if mine and turns is not None and turns.holds(wid) and turns.waiting and now - taken_at > TURN_S and (
