@@ -15,8 +15,8 @@ from .coordinator import GlobalCoordinator, global_coordinator
 from .device import CPU, Placement, parse_device, resolve
 from .feed import Feed, check_batch_size
 from .padding import Padding, PadInput
-from .processes.parent import ProcessOptions, get_context
 from .processes.sending import check_sendable
+from .processes.starting import ProcessOptions, get_context
 from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
 from .validation import InputSpec, fixed_batch_inputs, holds_value, int_arg

@@ -31,7 +31,8 @@ from .feedstats import FeedStats
 from .fetchers import SLICE_S, ThreadFetchers
 from .metrics import ConsumerCounters, RateMeter
 from .padding import ByteRing, Padding, PadRebatcher
-from .processes.parent import STACK_LEAD_S, ProcessOptions, ProcFetchers
+from .processes.parent import STACK_LEAD_S, ProcFetchers
+from .processes.starting import ProcessOptions
 from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Plan, Rebatcher
 from .rowkeys import public_names, split_keys

@@ -4,7 +4,11 @@
 threads (``feeder.fetchers``); the feed sees the same interface either way.
 
 * :mod:`~feeder.processes.parent`: ``ProcFetchers``, the parent's side: starting the processes,
-  turning the slots they fill into chunks on the source's queue, their failures, stopping them.
+  stopping them, describing them (their stacks).
+* :mod:`~feeder.processes.starting`: the start method, a registration's options, a Ctrl-C while
+  the processes start.
+* :mod:`~feeder.processes.receiver`: the parent's receiver threads: the slots a process fills
+  turned into chunks on the source's queue, its failures into the source's.
 * :mod:`~feeder.processes.child`: the loop that runs in a worker process: seed, ``worker_init_fun``,
   fetch, validate, assemble whole batches, write them once into shared memory.
 * :mod:`~feeder.processes.shm`: the shared memory: sealed anonymous segments, the control page,

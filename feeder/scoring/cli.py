@@ -273,7 +273,7 @@ def _main(args: argparse.Namespace) -> int:
         if columns:
             # The source maps every input it feeds: the model's (known once it is loaded, here, once)
             # and the kept ones, named like their columns unless --columns says otherwise.
-            from feeder.scoring.predictor import _open_model
+            from feeder.scoring.plan import _open_model
 
             model, _ = _open_model(args.model, providers)
             providers = None  # the session runs where it was made
