@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .sources.base import ROW_KEY, STATE_FORMAT, ranges_of
+from .sources.base import ROW_KEY
+from .sources.state import STATE_FORMAT, ranges_of
 from .validation import InputSpec
 
 log = logging.getLogger("feeder")

@@ -51,7 +51,9 @@ from ..runtime import (
     session_model_bytes,
     session_model_path,
 )
-from ..sources.base import ROW_KEY, ShardedSource, definition_differences, jsonish, ranges_of
+from ..sources.base import ROW_KEY
+from ..sources.sharded import ShardedSource
+from ..sources.state import definition_differences, jsonish, ranges_of
 from ..validation import int_arg
 from .modelid import model_identity
 from .outputdir import STATE_NAME, Listing, OutputDir

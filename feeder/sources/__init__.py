@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import ROW_KEY, SKIP, ShardedSource, SourceBinding
+from .base import ROW_KEY, SKIP, SourceBinding
+from .sharded import ShardedSource
 from .sharding import merge_states
 
 _LAZY = {"ArraySource": ".arrays", "ParquetSource": ".parquet", "RayDataSource": ".ray",

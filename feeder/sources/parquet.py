@@ -43,8 +43,9 @@ from ..storage import (
 )
 from ..validation import can_cast, int_arg
 from .arrow import import_pyarrow, to_numpy
-from .base import ShardedSource, SourceBinding
+from .base import SourceBinding
 from .readahead import Readahead
+from .sharded import ShardedSource
 
 log = logging.getLogger("feeder")
 
