@@ -34,8 +34,8 @@ from .padding import ByteRing, Padding, PadRebatcher
 from .processes.parent import STACK_LEAD_S, ProcessOptions, ProcFetchers
 from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Plan, Rebatcher
-from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner
+from .sources.rowkeys import public_names, split_keys
 from .trace import TraceHook, Tracer
 from .tuning import Throttle, Tuner
 from .validation import ChunkValidator, InputSpec

@@ -41,7 +41,6 @@ from ..api import init_data_input_workers
 from ..coordinator import GlobalCoordinator
 from ..device import providers_for
 from ..errors import FeederError
-from ..rowkeys import KeyLedger, source_state
 from ..runtime import (
     PredictSession,
     import_onnxruntime,
@@ -52,6 +51,7 @@ from ..runtime import (
     session_model_path,
 )
 from ..sources.base import ROW_KEY
+from ..sources.rowkeys import KeyLedger, source_state
 from ..sources.sharded import ShardedSource
 from ..sources.state import definition_differences, jsonish, ranges_of
 from ..validation import int_arg

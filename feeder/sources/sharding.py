@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from ..rowkeys import merge_ranges
+from .rowkeys import merge_ranges
 from .state import STATE_FORMAT, check_state, ranges_of
 
 Piece = Tuple[int, Optional[np.ndarray]]  # (unit, positions in its row order; None: all of them)
