@@ -1,10 +1,12 @@
 """What every source shares: the binding protocol and the row-key column.
 
-The base of :mod:`feeder.sources`: it imports no other module of the package. Above it, in
-order: source states (:mod:`~feeder.sources.state`) and the row-key ledger
-(:mod:`~feeder.sources.rowkeys`); the mechanisms (:mod:`~feeder.sources.sharding`,
-:mod:`~feeder.sources.window`, :mod:`~feeder.sources.transform`); sharded iteration
-(:class:`~feeder.sources.sharded.ShardedSource`); the sources themselves.
+The base of :mod:`feeder.sources`: it imports no other module of the package. Above it, each
+importing only modules named before it (and the helpers): source states (``state``) and the
+row-key ledger (``rowkeys``); the mechanisms the sources use (``sharding``, ``window``, and
+``transform``: ``map`` and ``filter``); sharded iteration (``sharded``:
+:class:`~feeder.sources.sharded.ShardedSource`); the sources (``arrays``; ``parquetfiles``,
+``parquetstore``, ``parquet``; ``ray``). ``functionid``, ``mapped``, ``arrow`` and ``readahead``
+are helpers that import no module of the package.
 
 The binding protocol (how feeder tells a fetch function who calls it). A ``fetch_fun`` object
 may have these optional methods; the coordinator calls them:
