@@ -312,7 +312,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from feeder.sources import ParquetSource
-    from feeder.sources import parquet as parquet_module
+    from feeder.sources import parquetstore as parquet_module
 
     latency = args.latency_ms / 1000.0
     tag = f"+{args.latency_ms:.0f} ms"

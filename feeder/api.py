@@ -17,8 +17,8 @@ from .feed import Feed, check_batch_size
 from .padding import Padding, PadInput
 from .processes.sending import check_sendable
 from .processes.starting import ProcessOptions, get_context
-from .rowkeys import public_names, with_row_keys
 from .runtime import input_specs, is_session
+from .sources.rowkeys import public_names, with_row_keys
 from .validation import InputSpec, fixed_batch_inputs, holds_value, int_arg
 
 log = logging.getLogger("feeder")

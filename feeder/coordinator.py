@@ -22,8 +22,8 @@ from .feed import Feed
 from .fetchers import join_all
 from .metrics import Monitor
 from .processes.mainguard import ADVICE, refuse_in_bootstrap, unguarded_call
-from .rowkeys import KeyLedger, source_state
 from .sources.base import ROW_KEY, bind_sources, release_sources
+from .sources.rowkeys import KeyLedger, source_state
 from .validation import ChunkValidator, InputSpec
 
 log = logging.getLogger("feeder")

@@ -35,8 +35,8 @@ from .processes.parent import STACK_LEAD_S, ProcFetchers
 from .processes.starting import ProcessOptions
 from .readyqueue import ReadyQueue
 from .rebatcher import BufferRing, Plan, Rebatcher
-from .rowkeys import public_names, split_keys
 from .runtime import PreparedBatch, Runner
+from .sources.rowkeys import public_names, split_keys
 from .trace import TraceHook, Tracer
 from .tuning import Throttle, Tuner
 from .validation import ChunkValidator, InputSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..sources.base import ShardedSource
+from ..sources.sharded import ShardedSource
 from .outputdir import STATE_NAME, OutputDir
 from .partwriter import Output
 from .plan import _wrapped

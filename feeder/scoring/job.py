@@ -12,8 +12,9 @@ import numpy as np
 from ..api import init_data_input_workers
 from ..coordinator import GlobalCoordinator
 from ..errors import FeederError
-from ..rowkeys import KeyLedger, source_state
-from ..sources.base import ShardedSource, definition_differences, jsonish, ranges_of
+from ..sources.rowkeys import KeyLedger, source_state
+from ..sources.sharded import ShardedSource
+from ..sources.state import definition_differences, jsonish, ranges_of
 from .outputdir import Listing
 from .partwriter import CommittedPart, Output, PartWriter
 from .plan import SOURCE_NAME, _Plan, _wrapped
@@ -299,7 +300,7 @@ def _differences(what: str, theirs: Dict[str, Any], mine: Dict[str, Any]) -> Lis
     """``what key: the output has X, this call Y`` for every entry that differs, one level into
     dicts (so that a message names the input, output or column that differs); files are named
     (added, removed, changed and how), hashes are said to differ, never shown (see
-    :func:`~feeder.sources.base.definition_differences`)."""
+    :func:`~feeder.sources.state.definition_differences`)."""
     return definition_differences(theirs, mine, theirs_has="the output has", mine_has="this call", depth=1,
                                   prefix=f"{what} ")
 

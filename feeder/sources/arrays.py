@@ -6,8 +6,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .base import ShardedSource
 from .mapped import FileRegion, file_region
+from .sharded import ShardedSource
 
 BLOCK_ROWS = 1024  # rows per unit of work: what one fetch returns, and what a shuffle keeps together
 

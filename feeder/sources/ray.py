@@ -63,7 +63,8 @@ import numpy as np
 from ..errors import FeederError, InputValidationError
 from ..fetchers import join_all
 from .arrow import to_numpy
-from .base import ROW_KEY, SourceBinding, Transformable
+from .base import ROW_KEY, SourceBinding
+from .transform import Transformable
 
 log = logging.getLogger("feeder")
 

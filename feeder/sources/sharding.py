@@ -29,6 +29,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from .rowkeys import merge_ranges
+from .state import STATE_FORMAT, check_state, ranges_of
+
 Piece = Tuple[int, Optional[np.ndarray]]  # (unit, positions in its row order; None: all of them)
 
 # Where shard="env" finds this process's rank and the world size: each launcher's pair of
@@ -209,9 +212,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
             missing or given twice (its rows would be delivered again, or the states are of two
             runs), or a state is not a feeder source state.
     """
-    from ..rowkeys import merge_ranges
-    from .base import STATE_FORMAT, check_state, ranges_of
-
     states = list(states)
     if not states:
         raise ValueError("merge_states needs the state of every rank, got none")

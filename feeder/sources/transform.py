@@ -7,12 +7,12 @@ the wrapped source, in the same fetcher thread or worker process, hands it to th
 ``{column: array}`` and returns what the steps made, in the registration's input order. What
 stays out of the user's sight:
 
-* **Row keys.** A resumable source appends its row keys to every chunk (``feeder.rowkeys``).
-  The wrapper takes them off before the functions run and puts back those of the rows that
-  remain: a ``map`` must return as many rows as it got (each output row is the row of the same
-  position), a ``filter`` drops rows and their keys together.
+* **Row keys.** A resumable source appends its row keys to every chunk
+  (``feeder.sources.rowkeys``). The wrapper takes them off before the functions run and puts
+  back those of the rows that remain: a ``map`` must return as many rows as it got (each output
+  row is the row of the same position), a ``filter`` drops rows and their keys together.
 * **Filtered rows.** The keys of the rows a ``filter`` drops go to the source's
-  :class:`~feeder.rowkeys.KeyLedger` as *filtered*: recorded as done (they will never be
+  :class:`~feeder.sources.rowkeys.KeyLedger` as *filtered*: recorded as done (they will never be
   delivered), so that a checkpoint stays a few ranges per unit in flight and a resume never
   reads them again, and counted apart from the delivered rows. In threads they are handed over
   at once (``SourceBinding.on_filtered``); a worker process keeps them until it reports to the
@@ -53,8 +53,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InputValidationError
-from .base import ROW_KEY, SKIP, STEP_KEYS, FilteredSink, SourceBinding, Transformable, definition_differences
+from .base import ROW_KEY, SKIP, FilteredSink, SourceBinding
 from .functionid import function_digest
+from .state import STEP_KEYS, definition_differences
 
 MAP, FILTER = "map", "filter"
 Step = Tuple[str, Callable[[Dict[str, np.ndarray]], Any]]
@@ -119,6 +120,69 @@ def function_name(fn: Any, where: bool = True) -> str:
     if where and "<lambda>" in qual and code is not None:
         name += f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
     return name
+
+
+# The entry point lives here, with the wrapper it returns: the sources inherit it and so import
+# this module, which imports none of them (the package's imports flow one way, see base.py).
+class Transformable:
+    """``map`` and ``filter`` for the ready-made sources (see :mod:`feeder.sources.transform`)."""
+
+    def map(self, fn: Callable[[Dict[str, np.ndarray]], Mapping[str, np.ndarray]]) -> "TransformedSource":
+        """A new source whose rows are ``fn`` of this one's, computed where the fetch runs.
+
+        ``fn`` gets a chunk as ``{column: array}`` (every column this source reads, the row
+        keys left out) and returns ``{name: array}`` with the same number of rows along axis 0:
+        those names are the source's inputs from then on. It runs in the fetcher thread or
+        worker process that reads the chunk (it travels there with cloudpickle: lambdas work),
+        on a chunk of any number of rows (a part of a unit after a resume): it must treat rows
+        independently for a resume to be exact. Sharding, shuffling, ``state_dict`` and
+        ``resume_from`` and ``feeder.predict``'s exactly-once are kept.
+
+        Args:
+            fn: ``fn({column: array}) -> {name: array}``, the same number of rows.
+
+        Returns:
+            A :class:`~feeder.sources.transform.TransformedSource`; chain ``map`` and ``filter``
+            on it.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or this source cannot name its columns.
+        """
+        return self._transformed("map", fn)
+
+    def filter(self, pred: Callable[[Dict[str, np.ndarray]], Any]) -> "TransformedSource":
+        """A new source without the rows for which ``pred`` is False: rows dropped on purpose.
+
+        ``pred`` gets a chunk as ``{column: array}`` (as :meth:`map`'s ``fn`` does) and returns
+        a bool mask of its rows (True: keep). Dropped rows are counted (``rows_filtered`` in
+        ``feed.metrics()``, ``source_rows_filtered`` in the ledger) and recorded as done in the
+        source's checkpoints, so that a resume does not read them again and a state stays
+        small; they are never confused with lost rows.
+
+        Args:
+            pred: ``pred({column: array}) -> bool array`` of the chunk's length.
+
+        Returns:
+            A :class:`~feeder.sources.transform.TransformedSource`.
+
+        Raises:
+            TypeError: ``pred`` is not callable, or this source cannot name its columns.
+        """
+        return self._transformed("filter", pred)
+
+    def _transformed(self, kind: str, fn: Any) -> "TransformedSource":
+        return TransformedSource(self, ((kind, fn),))
+
+    def _transform_columns(self) -> List[str]:
+        """The names a transform's functions see: every column this source reads (at
+        registration; a ValueError for a column it lacks)."""
+        raise NotImplementedError
+
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        """At registration, before the inputs are checked: (the columns this source has, whether it
+        feeds every one of them), or None when it cannot tell yet (registration refuses a mask
+        named like a column with it)."""
+        return None
 
 
 class TransformedSource(Transformable):
