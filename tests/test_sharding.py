@@ -536,7 +536,7 @@ def test_a_window_held_by_a_parked_auto_worker_is_still_delivered(monkeypatch):
     """"auto" concurrency parks fetchers; a parked one's window still holds rows. They come once
     the running fetchers end (a parked fetcher then takes an ended one's place)."""
     import feeder.tuning
-    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s: None)
+    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s, batches=None: None)
     src = ArraySource({"x": np.arange(5000)}, shuffle=True, seed=3, epochs=2, block_rows=100, shuffle_window=2000)
     coord = feeder.GlobalCoordinator(join_timeout=3.0)
     try:

@@ -451,7 +451,7 @@ def tuner_parks_all_but_one(monkeypatch):
     parked for good (the worst case for a source that dealt units to every worker id)."""
     import feeder.api
     import feeder.tuning
-    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s: None)
+    monkeypatch.setattr(feeder.tuning.Tuner, "observe", lambda self, now, rows, wait_s, batches=None: None)
     monkeypatch.setattr(feeder.api, "AUTO_MAX_PROCESSES", 4)  # parked processes whatever the core count
 
 
