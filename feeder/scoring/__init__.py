@@ -4,6 +4,8 @@
   the steps below, in order.
 * :mod:`~feeder.scoring.plan`: the model opened and checked against the source: which inputs are
   fed, which outputs and kept inputs are written.
+* :mod:`~feeder.scoring.session`: ``PredictSession``: the model as each replica runs it (IOBinding per
+  thread on the shared session, reused output buffers, the check that outputs are per row).
 * :mod:`~feeder.scoring.destination`: the output folder: the rank's own, local or in a store,
   never inside the input.
 * :mod:`~feeder.scoring.job`: one call's work on one output: its state checked, resumed from and

@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..device import providers_for
 from ..runtime import (
-    PredictSession,
     import_onnxruntime,
     is_session,
     load_session,
@@ -18,6 +17,7 @@ from ..runtime import (
 )
 from ..sources.base import ROW_KEY
 from .modelid import model_identity
+from .session import PredictSession
 
 SOURCE_NAME = "predict"  # the name the source is registered under (and its threads named after)
 

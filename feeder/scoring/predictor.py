@@ -9,7 +9,7 @@ Usage::
 
 How it runs: one private coordinator; ``replicas`` registrations of the source under the name
 "predict", each consumed by its own thread calling ``feed.run()`` on one
-:class:`~feeder.runtime.PredictSession` (IOBinding on the shared session, one binding and one set
+:class:`~feeder.scoring.session.PredictSession` (IOBinding on the shared session, one binding and one set
 of reused output buffers per thread); each replica hands its batch's outputs, kept columns and
 row keys to a :class:`~feeder.scoring.partwriter.PartWriter`, whose writer thread appends them to Parquet
 part files and commits each part (:mod:`feeder.scoring.outputdir`).
