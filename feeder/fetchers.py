@@ -493,12 +493,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     nones = nones if nones is not None else NoneReport(source_name)
     pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
-    co = None
-    if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
-        co = Coalescer(state, source, validator.axes, batch_size(),
-                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
-        source.add_flusher(co.flush_if_stale)
-
+    co = _coalescer(state, source, validator, batch_size(), stop, pump, allocate, trace) if coalesce else None
     monotonic = time.monotonic
     check = validator.check
     state.begin()
@@ -555,38 +550,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 except BaseException as raised:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
                     error = raised
             if error is not None:
-                e = error
                 if parked and co is not None:
                     co.reclaim()
-                if isinstance(e, StopIteration):
-                    if co is not None and not co.put_pending():
-                        return
-                    state.set("ended (StopIteration)")
-                    source.worker_ended(wid)
-                    if throttle is not None:
-                        throttle.ended(wid)
-                    return
-                if stop.is_set():
-                    return
-                if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
-                    state.set("failed")
-                    source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
-                    return
-                if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
-                    state.set("failed")
-                    source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
-                    return
-                state.fetch_errors += 1
-                n = source.note_fetch_error()
-                if isinstance(e, Exception) and n <= max_fetch_errors:
-                    log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
-                                source_name, wid, n, max_fetch_errors, exc_info=e)
-                    continue
-                msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
-                if max_fetch_errors:
-                    msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
-                state.set("failed")
-                source.fail(Failure(FetchError(msg), e))
+                if _fetch_raised(error, state, source, source_name, co, throttle, stop, max_fetch_errors):
+                    continue  # a fetch error tolerated: that call is skipped
                 return
             if parked and co is not None:  # reclaim (inline for speed)
                 try:
@@ -604,21 +571,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.sample_cpu(now)
                 cpu_due = now + CPU_SAMPLE_S
             if raw is None:
-                state.none_chunks += 1
-                nones.note(wid)
-                # Nothing this time: nothing is likely to come at once either. Held rows go now (they
-                # must not wait on the pause), the turn goes to another fetcher, and the next call
-                # waits a little longer after each None in a row (stop ends the wait at once).
-                if co is not None and co.rb.pending_rows and not co.put_pending():
+                paused = _pause_after_none(pause, state, nones, co, turns if mine else None, stop)
+                if paused is None:
                     return
-                if mine and turns is not None:
-                    turns.give(wid)
-                    mine = False
-                pause = none_pause(pause)
-                state.set(AFTER_NONE)
-                if stop.wait(pause):
-                    return
-                now = monotonic()
+                pause, mine, now = paused, False, monotonic()  # (the turn went with the pause)
                 continue
             pause = 0.0
             if raw is SKIP:  # nothing this time, on purpose; an ordered source's round-robin counts the turn
@@ -662,20 +618,105 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 turns.give(wid)  # its time is up (at a batch made, so that few rows wait): the next one's turn
                 mine = False
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
-        state.set("failed")
-        source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
-                                        f"{type(e).__name__}: {e}"), e))
-        log.error("source %r worker %d: fetcher thread failed", source_name, wid, exc_info=True)
+        _fetcher_failed(e, state, source, source_name)
     finally:
-        if turns is not None:
-            turns.give(wid)
-        if not state.state.startswith(("ended", "failed")):
-            state.set("stopped")
-        state.ended_at = monotonic()
-        state.sample_cpu(state.ended_at)
-        # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
-        # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
-        source.discarded(state.rows - state.rows_put, fetched=True)
+        _fetcher_ended(state, source, turns)
+
+
+def _coalescer(state: WorkerState, source: ChunkQueue, validator: ChunkValidator, batch_size: int,
+               stop: threading.Event, pump: Optional[Callable[[Chunk], Optional[bool]]],
+               allocate: Optional[Callable[..., np.ndarray]], trace: Optional[TraceHook]) -> Optional[Coalescer]:
+    """The coalescer of a fetcher that coalesces, registered as a flusher of the source's held rows."""
+    if validator.ragged:  # rows of padded inputs are written once, into the padded batch
+        return None
+    co = Coalescer(state, source, validator.axes, batch_size,
+                   lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
+    source.add_flusher(co.flush_if_stale)
+    return co
+
+
+def _fetch_raised(e: BaseException, state: WorkerState, source: ChunkQueue, source_name: str,
+                  co: Optional[Coalescer], throttle: Optional[Throttle], stop: threading.Event,
+                  max_fetch_errors: int) -> bool:
+    """A call of ``fetch_fun`` raised ``e`` (the fetch loop's, once the held rows are back): a
+    StopIteration ends the worker (its held rows put first), bad data or a source that cannot serve
+    again fails the source, any other exception is counted and skipped up to ``max_fetch_errors``,
+    then fails the source. True if the fetcher goes on (the call skipped), False if it ends."""
+    wid = state.worker_id
+    if isinstance(e, StopIteration):
+        if co is not None and not co.put_pending():
+            return False
+        state.set("ended (StopIteration)")
+        source.worker_ended(wid)
+        if throttle is not None:
+            throttle.ended(wid)
+        return False
+    if stop.is_set():
+        return False
+    if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
+        state.set("failed")
+        source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
+        return False
+    if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
+        state.set("failed")
+        source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
+        return False
+    state.fetch_errors += 1
+    n = source.note_fetch_error()
+    if isinstance(e, Exception) and n <= max_fetch_errors:
+        log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
+                    source_name, wid, n, max_fetch_errors, exc_info=e)
+        return True
+    msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
+    if max_fetch_errors:
+        msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
+    state.set("failed")
+    source.fail(Failure(FetchError(msg), e))
+    return False
+
+
+def _pause_after_none(pause: float, state: WorkerState, nones: NoneReport, co: Optional[Coalescer],
+                      turns: Optional[Turns], stop: threading.Event) -> Optional[float]:
+    """A call of ``fetch_fun`` returned None (``turns``: the source's, if this fetcher has the turn;
+    else None). Returns the pause made before the next call (seconds), None if the fetcher ends
+    (stop, or its held rows could not be put)."""
+    state.none_chunks += 1
+    nones.note(state.worker_id)
+    # Nothing this time: nothing is likely to come at once either. Held rows go now (they
+    # must not wait on the pause), the turn goes to another fetcher, and the next call
+    # waits a little longer after each None in a row (stop ends the wait at once).
+    if co is not None and co.rb.pending_rows and not co.put_pending():
+        return None
+    if turns is not None:
+        turns.give(state.worker_id)
+    pause = none_pause(pause)
+    state.set(AFTER_NONE)
+    if stop.wait(pause):
+        return None
+    return pause
+
+
+def _fetcher_failed(e: BaseException, state: WorkerState, source: ChunkQueue, source_name: str) -> None:
+    """The fetch loop itself raised ``e`` (a bug): the source fails, so that nobody waits on this worker."""
+    wid = state.worker_id
+    state.set("failed")
+    source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
+                                    f"{type(e).__name__}: {e}"), e))
+    log.error("source %r worker %d: fetcher thread failed", source_name, wid, exc_info=True)
+
+
+def _fetcher_ended(state: WorkerState, source: ChunkQueue, turns: Optional[Turns]) -> None:
+    """What a fetcher does last, however it ended: the turn given back, its state and CPU time
+    final, and the rows it fetched and never put booked as discarded."""
+    if turns is not None:
+        turns.give(state.worker_id)
+    if not state.state.startswith(("ended", "failed")):
+        state.set("stopped")
+    state.ended_at = time.monotonic()
+    state.sample_cpu(state.ended_at)
+    # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
+    # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
+    source.discarded(state.rows - state.rows_put, fetched=True)
 
 
 class ThreadFetchers:
