@@ -3,145 +3,40 @@
 The loop is a module-level function with explicit arguments (after torchdata's
 ``_populate_queue``) so it can be driven without the feed that owns it.
 
-Coalescing: a fast ``fetch_fun`` returning tiny chunks would otherwise cost one queue
-round trip, one wake-up of the enqueuer and one copy call per chunk, all under the GIL.
-When calls are fast and chunks small (at most a quarter of a batch), each fetcher therefore
-cuts its own chunks into whole batches (one copy per input, into a buffer it reuses) and
-puts those; the enqueuer then hands them on without copying, so every byte is still copied
-once. Rows wait in a fetcher about ``COALESCE_HOLD_S`` at most (when its next call blocks,
-the enqueuer puts them for it, see ``Coalescer``), and not at all when a call is slow (the
-per-chunk overhead does not matter then). Off for ``ordered`` sources (their chunk sequence
-is the contract) and for ``dont_rebatch``.
-
-Rows put uncoalesced (after a hold or a slow call) would shift the enqueuer's batch
-boundaries, and every later assembled batch would be cut apart and copied again. With
-several workers or feeds the enqueuer avoids that by letting whole batches go first (no
-order is promised there); with one worker and one feed, where rows keep their order, the
-fetcher instead puts raw rows up to the next batch boundary before it coalesces again.
+Small chunks of fast calls are coalesced into whole batches by the fetcher that fetched them
+(``feeder.coalescing``); short calls are made one fetcher at a time (``Turns``).
 """
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .chunkqueue import CLOSED, Chunk, ChunkQueue
+from .coalescing import COALESCE_FRACTION, COALESCE_HOLD_S, COALESCE_SLOW_CALL_S, Coalescer, burst
 from .errors import Failure, FeederError, FetchError, InputValidationError
 from .pacing import AFTER_NONE, NoneReport, none_pause
-from .rebatcher import BufferRing, Rebatcher
 from .sources.base import SKIP
 from .trace import TraceHook
 from .tuning import Throttle
 from .validation import ChunkValidator
 
+# Re-exported: feeder.processes.parent and tests/test_fetchers.py import these from here.
+from .workerstate import IN_FETCH as IN_FETCH
+from .workerstate import WAITING_FOR_ROOM as WAITING_FOR_ROOM
+from .workerstate import WorkerState as WorkerState
+
 log = logging.getLogger("feeder")
 
 SLICE_S = 0.05            # longest single wait, so a stop is seen within this many seconds
-COALESCE_HOLD_S = 0.02    # longest a coalescing fetcher keeps rows before putting them as they are
-COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalescing off for its rows
-COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
-COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced (but see MADE_BYTES_PER_S)
-# A chunk of more than that (and less than a batch) is cut into batches by its own fetcher too when
-# the call that made it took at least as long as copying its bytes at this rate would (a chunk the
-# call wrote, not a view it returned), and other fetchers feed the source: the copy then reads rows
-# still in this core's cache, beside the other fetchers' copies, instead of every copy falling to the
-# one thread that plans batches. Measured on 2 cores (benchmarks/compare.py s-large: 64-row chunks of
-# 3 MB, made by a copy, batch 128): 2 fetcher threads went from 0.86-1.0x to 1.17-1.32x the serial
-# loop; chunks that are views (scenario b) keep the old way (coalescing them ran at 0.5-0.6x).
-# Chunks under MADE_MIN_BYTES keep the old way: their copy is cheap wherever it runs.
-MADE_BYTES_PER_S = 20e9
-MADE_MIN_BYTES = 256 << 10
 CPU_SAMPLE_S = 0.05       # fetchers read their CPU clock this often (it is ~8x dearer than monotonic)
 SHORT_CALL_S = 0.0002     # fetch_fun calls shorter than this are made by one fetcher of a source at a time (Turns)
 TURN_S = 0.005            # a fetcher with the turn hands it on after a batch, or after this long, if others wait
 STEAL_S = 0.002           # a waiter takes the turn from a fetcher that has not started a call for this long
-IN_FETCH = "in fetch_fun"
-WAITING_FOR_ROOM = "waiting for queue space"
-
-
-class WorkerState:
-    """What one fetcher is doing and has done. Written only by its own thread (so its counters
-    need no lock); read by timeouts' diagnoses, metrics and stop()'s straggler report."""
-
-    __slots__ = ("worker_id", "thread", "state", "since", "calls", "chunks", "rows", "rows_put", "none_chunks",
-                 "empty_chunks", "fetch_errors", "copied_bytes", "started_at", "ended_at", "fetch_s", "blocked_s",
-                 "cpu_s", "cpu_wall_s", "_cpu0", "_parked", "counters", "assemble_s")
-
-    def __init__(self, worker_id: int):
-        self.worker_id = worker_id
-        self.thread: Optional[threading.Thread] = None
-        self.state = "not started"
-        self.since = time.monotonic()
-        self.calls = self.chunks = self.rows = self.none_chunks = self.empty_chunks = self.fetch_errors = 0
-        self.rows_put = 0  # of ``rows``, those put on the source (the rest are held or were discarded)
-        self.copied_bytes = 0  # bytes this fetcher copied while coalescing
-        self.assemble_s = 0.0  # seconds it spent copying them (writing whole batches out of small chunks)
-        # Stage times, seconds (see feeder.diagnosis): running time (the lifetime less the time
-        # parked by num_worker_threads="auto"), inside fetch_fun, waiting for room in the source, and
-        # CPU time sampled every CPU_SAMPLE_S over cpu_wall_s of the running time.
-        self.started_at = self.ended_at = 0.0
-        self.fetch_s = self.blocked_s = self.cpu_s = self.cpu_wall_s = 0.0
-        self._cpu0 = 0.0
-        # (seconds parked in parks that are over, start of the current park or 0.0): one tuple,
-        # replaced whole, so that other threads read a consistent pair without a lock.
-        self._parked = (0.0, 0.0)
-        # A worker process's latest feeder_counters() (see feeder.sources.base), replaced whole.
-        self.counters: Dict[str, float] = {}
-
-    def begin(self) -> None:
-        """Called by the fetcher itself as it starts: the origin of its lifetime and CPU clock."""
-        self.started_at = time.monotonic()
-        self._cpu0 = time.thread_time()
-
-    def park(self, now: float) -> None:
-        """The tuner parked this fetcher at ``now`` (monotonic s); a park already begun goes on."""
-        done, since = self._parked
-        if not since:
-            self._parked = (done, now)
-
-    def unpark(self, now: float) -> None:
-        """The tuner let this fetcher run again at ``now``."""
-        done, since = self._parked
-        if since:
-            self._parked = (done + max(0.0, now - since), 0.0)
-
-    def parked_s(self, now: float) -> float:
-        """Seconds this fetcher was parked up to ``now`` (or until it ended)."""
-        done, since = self._parked
-        if since:
-            end = min(now, self.ended_at) if self.ended_at else now
-            done += max(0.0, end - since)
-        return done
-
-    def sample_cpu(self, now: float) -> None:
-        """Read this thread's CPU clock (costs ~0.6 us, so only every CPU_SAMPLE_S)."""
-        self.cpu_s = time.thread_time() - self._cpu0
-        self.cpu_wall_s = self.running_s(now)
-
-    def running_s(self, now: float) -> float:
-        """Seconds this fetcher has run until ``now`` (or until it ended), time parked excluded."""
-        if not self.started_at:
-            return 0.0
-        end = self.ended_at or now
-        return max(0.0, end - self.started_at - self.parked_s(end))
-
-    def set(self, state: str) -> None:
-        self.state = state
-        self.since = time.monotonic()
-
-    def describe(self, now: float, stack_after_s: float = 1.0, frames: int = 3) -> str:
-        """One line (plus stack lines when stuck in fetch_fun for ``stack_after_s`` seconds or more)."""
-        busy = now - self.since
-        text = f"worker {self.worker_id} {self.state} for {busy:.1f} s (call #{self.calls})"
-        if self.state == IN_FETCH and busy >= stack_after_s:
-            text += stack_of(self.thread, frames)
-        return text
 
 
 def join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
@@ -150,17 +45,6 @@ def join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
     for t in threads:
         if t is not me and t.is_alive():
             t.join(max(0.0, deadline - time.monotonic()))
-
-
-def stack_of(thread: Optional[threading.Thread], frames: int) -> str:
-    """The innermost ``frames`` frames of a live thread's stack, indented, or ''."""
-    if thread is None or thread.ident is None:
-        return ""
-    frame = sys._current_frames().get(thread.ident)
-    if frame is None:
-        return ""
-    lines = traceback.format_list(traceback.extract_stack(frame)[-frames:])
-    return "; stack (innermost last):\n" + "".join("    " + ln.replace("\n", "\n    ").rstrip(" ") for ln in lines)
 
 
 def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event,
@@ -189,144 +73,6 @@ def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: thread
         state.blocked_s += time.monotonic() - blocked_since
     state.rows_put += chunk.rows
     return True
-
-
-class Coalescer:
-    """One fetcher's coalescing state: the rows it holds, cut into whole batches as they come.
-
-    Held rows must not wait on a ``fetch_fun`` call that blocks, so another thread (the
-    enqueuer, whenever it finds the queue empty) may put them with ``flush_if_stale``. The
-    fetcher owns this state except while it is parked: before calling ``fetch_fun`` with rows
-    held, the fetcher parks it (appends a token to ``parked``, inline in ``fetch_loop``) and
-    reclaims it afterwards (pops the token, or ``reclaim``). A flusher that pops the token first
-    owns the state until it sets ``returned``. list.append and list.pop are atomic, so the
-    fetcher's common path takes no lock.
-    """
-
-    def __init__(self, state: WorkerState, source: ChunkQueue, axes: Sequence[int], batch_size: int,
-                 put: Callable[[Chunk], bool], allocate: Optional[Callable[..., np.ndarray]] = None,
-                 trace: Optional[TraceHook] = None):
-        self.parked: List[bool] = []
-        self.returned = threading.Event()
-        # (allocate: a device feed's staging memory, which the device copies batches from as they are)
-        self.rb = Rebatcher(batch_size, axes, BufferRing(COALESCE_RING, allocate=allocate))
-        self.held_since = 0.0  # when the oldest held row arrived (monotonic s); 0.0: holds none
-        # With one worker and one feed the enqueuer sees exactly this fetcher's rows, in order:
-        # keep coalesced batches on its batch boundaries (see the module docstring).
-        self.realign = source.single_stream()
-        self.shared = not self.realign  # other fetchers (or feeds) share the source: see MADE_BYTES_PER_S
-        self.offset = 0  # rows put so far, modulo the batch size: where the enqueuer's next batch starts
-        self.unput = 0   # chunks added since the last put: the queue slots a batch stands for
-        self._wid = state.worker_id
-        self._state = state
-        self._source = source
-        self._put = put
-        self._trace = trace  # the coalescing copies are "assemble" spans on a trace
-
-    def tracer(self) -> Any:
-        """The feed's active trace, or None."""
-        return self._trace.tracer if self._trace is not None else None
-
-    def reclaim(self) -> None:
-        """After the call: take the state back, waiting for a flusher that is using it."""
-        try:
-            self.parked.pop()
-        except IndexError:  # a flusher took it: it hands it back within one non-blocking put each
-            self.returned.wait()
-            self.returned.clear()
-
-    def _put_raw(self, arrays: Tuple[np.ndarray, ...], rows: int, put: Callable[[Chunk], bool]) -> bool:
-        if not put(Chunk(self._wid, arrays, rows)):
-            return False
-        self.offset = (self.offset + rows) % self.rb.batch_size
-        return True
-
-    def put_pending(self, limit: Optional[int] = None, put: Optional[Callable[[Chunk], bool]] = None) -> bool:
-        """Put (up to ``limit`` of) the held rows, uncopied (the enqueuer copies them once).
-        False if a put failed; the rows not put are kept, in order."""
-        put = put or self._put
-        self.unput = 0
-        pieces = self.rb.take_pieces(limit)
-        for i, (rows, arrays) in enumerate(pieces):
-            if not self._put_raw(arrays, rows, put):
-                self.rb.restore_front(pieces[i:])
-                return False
-        if not self.rb.pending_rows:
-            self.held_since = 0.0
-        return True
-
-    def add(self, arrays: Tuple[np.ndarray, ...], rows: int, bs: int, now: float, slow_call: bool,
-            call_s: float = 0.0) -> bool:
-        """Take a validated chunk (``call_s``: seconds the call that made it took); put what makes
-        whole batches. False if a put failed (stop)."""
-        rb = self.rb
-        if bs != rb.batch_size:
-            rb.set_batch_size(bs)
-            self.realign = False  # the enqueuer's boundaries moved: alignment is no longer known
-        if rows * COALESCE_FRACTION > bs and not (
-                self.shared and not slow_call and rows < bs and self._made(arrays, call_s)):
-            # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
-            # buffer it reuses. Rows held before it go first, so that order is kept.
-            if rb.pending_rows and not self.put_pending():
-                return False
-            return self._put_raw(arrays, rows, self._put)
-        if not rb.pending_rows:
-            self.held_since = now
-        pending = rb.add(arrays, rows)
-        self.unput += 1
-        if pending < bs:
-            return self.put_pending() if slow_call else True  # a slow source: put rows as they come
-        if self.realign and self.offset:
-            if not self.put_pending(bs - self.offset):
-                return False
-            if rb.pending_rows < bs:
-                self.held_since = time.monotonic() if rb.pending_rows else 0.0
-                return True
-        state = self._state
-        while True:
-            t0 = time.monotonic()
-            batch = rb.pop()
-            if batch is None:
-                break
-            t1 = time.monotonic()
-            state.assemble_s += t1 - t0
-            tracer = self.tracer()
-            if tracer is not None:
-                tracer.span("assemble", t0, t1, rows=bs, coalesced=True)
-            slots, self.unput = max(1, self.unput), 0
-            if not self._put(Chunk(self._wid, tuple(batch), bs, slots)):
-                return False
-        self.held_since = time.monotonic() if rb.pending_rows else 0.0
-        if self.held_since and slow_call:
-            return self.put_pending()
-        return True
-
-    @staticmethod
-    def _made(arrays: Tuple[np.ndarray, ...], call_s: float) -> bool:
-        """A big chunk that the call took at least as long to make as copying it takes (see
-        MADE_BYTES_PER_S)."""
-        nbytes = sum(a.nbytes for a in arrays)
-        return nbytes >= MADE_MIN_BYTES and call_s * MADE_BYTES_PER_S >= nbytes
-
-    def flush_if_stale(self, now: float) -> None:
-        """Put rows held longer than COALESCE_HOLD_S while the fetcher is parked; never blocks."""
-        if not self.held_since or now - self.held_since < COALESCE_HOLD_S:
-            return
-        try:
-            self.parked.pop()
-        except IndexError:
-            return  # not parked: the fetcher is working with its rows itself
-        try:
-            self.put_pending(put=self._put_now)
-        finally:
-            self.returned.set()
-
-    def _put_now(self, chunk: Chunk) -> bool:
-        """Put without waiting (a flusher must never block); counted as the fetcher's put."""
-        if self._source.put(chunk, 0.0) is not True:
-            return False
-        self._state.rows_put += chunk.rows
-        return True
 
 
 class Turns:
@@ -422,82 +168,6 @@ def _park(throttle: Throttle, state: WorkerState, co: Optional[Coalescer], stop:
         state.unpark(time.monotonic())
 
 
-BURST_CALLS = 64  # calls a burst makes before the fetch loop looks at stop, failure, throttle and size again
-
-
-def _burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: int, single: Optional[Tuple[Any, ...]],
-           check: Callable[[Any, int], Tuple[Tuple[np.ndarray, ...], int]], state: WorkerState
-           ) -> Optional[Tuple[Any, Optional[BaseException], float]]:
-    """The common case in as few steps as possible: fetch tiny chunks and hold them until the batch
-    is nearly full (the fetch loop then completes it), with the per-call bookkeeping kept in locals.
-
-    Returns None after BURST_CALLS calls (or when holding rows would pass COALESCE_HOLD_S), or the
-    call that did not fit, as ``(result, exception, start)``, for the fetch loop to handle as its own
-    call. Like the fetch loop, it parks the held rows around each call (see ``Coalescer``).
-    """
-    rb = co.rb
-    pending = rb._pending
-    parked = co.parked
-    monotonic = time.monotonic
-    limit = bs // COALESCE_FRACTION
-    held = rb.pending_rows
-    deadline = co.held_since + COALESCE_HOLD_S
-    if single is not None:
-        dtype, rest = single[0], single[1]
-    calls = 0
-    fetch_s = 0.0
-    arrays: Tuple[np.ndarray, ...]
-    try:
-        while calls < BURST_CALLS:
-            rb.pending_rows = held  # what a flusher may take during the call (see Coalescer)
-            parked.append(True)
-            t0 = monotonic()
-            state.since = t0
-            state.calls += 1
-            try:
-                raw = fetch_fun(wid, bs)
-            except BaseException as e:  # noqa: B902 - the fetch loop handles it as its own call's
-                co.reclaim()
-                held = rb.pending_rows  # a flusher may have taken the held rows meanwhile
-                return None, e, t0
-            calls += 1
-            try:
-                parked.pop()
-            except IndexError:  # a flusher took the held rows meanwhile
-                co.reclaim()
-                held = rb.pending_rows
-                return raw, None, t0
-            t1 = monotonic()
-            fetch_s += t1 - t0
-            tracer = co.tracer()
-            if tracer is not None:
-                tracer.span("fetch", t0, t1)
-            if t1 - t0 > COALESCE_SLOW_CALL_S or t1 > deadline:
-                return raw, None, t0
-            if single is not None:  # one input, its dtype and row shape known: no validator call
-                a = raw[0] if type(raw) in (list, tuple) and len(raw) == 1 else None
-                if type(a) is not np.ndarray or a.dtype is not dtype or a.shape[1:] != rest:
-                    return raw, None, t0
-                arrays, n = (a,), a.shape[0]
-            else:
-                try:
-                    arrays, n = check(raw, wid)
-                except InputValidationError:
-                    return raw, None, t0  # the fetch loop checks it again and fails the source
-            if 0 < n <= limit and held + n < bs:
-                pending.append((n, arrays))
-                held += n
-                co.unput += 1
-                state.chunks += 1
-                state.rows += n
-                continue
-            return raw, None, t0
-        return None
-    finally:
-        rb.pending_rows = held
-        state.fetch_s += fetch_s
-
-
 def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int, int], Any],
                validator: ChunkValidator, state: WorkerState, batch_size: Callable[[], int],
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
@@ -514,12 +184,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     nones = nones if nones is not None else NoneReport(source_name)
     pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
-    co = None
-    if coalesce and not validator.ragged:  # rows of padded inputs are written once, into the padded batch
-        co = Coalescer(state, source, validator.axes, batch_size(),
-                       lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
-        source.add_flusher(co.flush_if_stale)
-
+    co = _coalescer(state, source, validator, batch_size(), stop, pump, allocate, trace) if coalesce else None
     monotonic = time.monotonic
     check = validator.check
     state.begin()
@@ -576,38 +241,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 except BaseException as raised:  # noqa: B902 - KeyboardInterrupt/SystemExit must reach the consumer too
                     error = raised
             if error is not None:
-                e = error
                 if parked and co is not None:
                     co.reclaim()
-                if isinstance(e, StopIteration):
-                    if co is not None and not co.put_pending():
-                        return
-                    state.set("ended (StopIteration)")
-                    source.worker_ended(wid)
-                    if throttle is not None:
-                        throttle.ended(wid)
-                    return
-                if stop.is_set():
-                    return
-                if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
-                    state.set("failed")
-                    source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
-                    return
-                if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
-                    state.set("failed")
-                    source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
-                    return
-                state.fetch_errors += 1
-                n = source.note_fetch_error()
-                if isinstance(e, Exception) and n <= max_fetch_errors:
-                    log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
-                                source_name, wid, n, max_fetch_errors, exc_info=e)
-                    continue
-                msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
-                if max_fetch_errors:
-                    msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
-                state.set("failed")
-                source.fail(Failure(FetchError(msg), e))
+                if _fetch_raised(error, state, source, source_name, co, throttle, stop, max_fetch_errors):
+                    continue  # a fetch error tolerated: that call is skipped
                 return
             if parked and co is not None:  # reclaim (inline for speed)
                 try:
@@ -625,21 +262,10 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 state.sample_cpu(now)
                 cpu_due = now + CPU_SAMPLE_S
             if raw is None:
-                state.none_chunks += 1
-                nones.note(wid)
-                # Nothing this time: nothing is likely to come at once either. Held rows go now (they
-                # must not wait on the pause), the turn goes to another fetcher, and the next call
-                # waits a little longer after each None in a row (stop ends the wait at once).
-                if co is not None and co.rb.pending_rows and not co.put_pending():
+                paused = _pause_after_none(pause, state, nones, co, turns if mine else None, stop)
+                if paused is None:
                     return
-                if mine and turns is not None:
-                    turns.give(wid)
-                    mine = False
-                pause = none_pause(pause)
-                state.set(AFTER_NONE)
-                if stop.wait(pause):
-                    return
-                now = monotonic()
+                pause, mine, now = paused, False, monotonic()  # (the turn went with the pause)
                 continue
             pause = 0.0
             if raw is SKIP:  # nothing this time, on purpose; an ordered source's round-robin counts the turn
@@ -667,12 +293,12 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
             slow = now - state.since > COALESCE_SLOW_CALL_S
             if not slow and bs == rb.batch_size and rows * COALESCE_FRACTION <= bs and rb.pending_rows + rows < bs:
                 # the common case: a tiny chunk that does not complete a batch is held, and the next
-                # calls go the short way while they are like it (see _burst)
+                # calls go the short way while they are like it (see feeder.coalescing.burst)
                 if not rb.pending_rows:
                     co.held_since = now
                 rb.append(arrays, rows)
                 co.unput += 1
-                carried = _burst(co, fetch_fun, wid, bs, validator._single, check, state)
+                carried = burst(co, fetch_fun, wid, bs, validator._single, check, state)
                 continue
             put_before = state.rows_put
             if not co.add(arrays, rows, bs, now, slow, now - state.since):
@@ -683,20 +309,105 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 turns.give(wid)  # its time is up (at a batch made, so that few rows wait): the next one's turn
                 mine = False
     except BaseException as e:  # a bug here must not leave the source waiting on a dead worker
-        state.set("failed")
-        source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
-                                        f"{type(e).__name__}: {e}"), e))
-        log.error("source %r worker %d: fetcher thread failed", source_name, wid, exc_info=True)
+        _fetcher_failed(e, state, source, source_name)
     finally:
-        if turns is not None:
-            turns.give(wid)
-        if not state.state.startswith(("ended", "failed")):
-            state.set("stopped")
-        state.ended_at = monotonic()
-        state.sample_cpu(state.ended_at)
-        # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
-        # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
-        source.discarded(state.rows - state.rows_put, fetched=True)
+        _fetcher_ended(state, source, turns)
+
+
+def _coalescer(state: WorkerState, source: ChunkQueue, validator: ChunkValidator, batch_size: int,
+               stop: threading.Event, pump: Optional[Callable[[Chunk], Optional[bool]]],
+               allocate: Optional[Callable[..., np.ndarray]], trace: Optional[TraceHook]) -> Optional[Coalescer]:
+    """The coalescer of a fetcher that coalesces, registered as a flusher of the source's held rows."""
+    if validator.ragged:  # rows of padded inputs are written once, into the padded batch
+        return None
+    co = Coalescer(state, source, validator.axes, batch_size,
+                   lambda chunk: put_chunk(source, chunk, state, stop, pump), allocate, trace)
+    source.add_flusher(co.flush_if_stale)
+    return co
+
+
+def _fetch_raised(e: BaseException, state: WorkerState, source: ChunkQueue, source_name: str,
+                  co: Optional[Coalescer], throttle: Optional[Throttle], stop: threading.Event,
+                  max_fetch_errors: int) -> bool:
+    """A call of ``fetch_fun`` raised ``e`` (the fetch loop's, once the held rows are back): a
+    StopIteration ends the worker (its held rows put first), bad data or a source that cannot serve
+    again fails the source, any other exception is counted and skipped up to ``max_fetch_errors``,
+    then fails the source. True if the fetcher goes on (the call skipped), False if it ends."""
+    wid = state.worker_id
+    if isinstance(e, StopIteration):
+        if co is not None and not co.put_pending():
+            return False
+        state.set("ended (StopIteration)")
+        source.worker_ended(wid)
+        if throttle is not None:
+            throttle.ended(wid)
+        return False
+    if stop.is_set():
+        return False
+    if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
+        state.set("failed")
+        source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
+        return False
+    if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
+        state.set("failed")
+        source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
+        return False
+    state.fetch_errors += 1
+    n = source.note_fetch_error()
+    if isinstance(e, Exception) and n <= max_fetch_errors:
+        log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
+                    source_name, wid, n, max_fetch_errors, exc_info=e)
+        return True
+    msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
+    if max_fetch_errors:
+        msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
+    state.set("failed")
+    source.fail(Failure(FetchError(msg), e))
+    return False
+
+
+def _pause_after_none(pause: float, state: WorkerState, nones: NoneReport, co: Optional[Coalescer],
+                      turns: Optional[Turns], stop: threading.Event) -> Optional[float]:
+    """A call of ``fetch_fun`` returned None (``turns``: the source's, if this fetcher has the turn;
+    else None). Returns the pause made before the next call (seconds), None if the fetcher ends
+    (stop, or its held rows could not be put)."""
+    state.none_chunks += 1
+    nones.note(state.worker_id)
+    # Nothing this time: nothing is likely to come at once either. Held rows go now (they
+    # must not wait on the pause), the turn goes to another fetcher, and the next call
+    # waits a little longer after each None in a row (stop ends the wait at once).
+    if co is not None and co.rb.pending_rows and not co.put_pending():
+        return None
+    if turns is not None:
+        turns.give(state.worker_id)
+    pause = none_pause(pause)
+    state.set(AFTER_NONE)
+    if stop.wait(pause):
+        return None
+    return pause
+
+
+def _fetcher_failed(e: BaseException, state: WorkerState, source: ChunkQueue, source_name: str) -> None:
+    """The fetch loop itself raised ``e`` (a bug): the source fails, so that nobody waits on this worker."""
+    wid = state.worker_id
+    state.set("failed")
+    source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
+                                    f"{type(e).__name__}: {e}"), e))
+    log.error("source %r worker %d: fetcher thread failed", source_name, wid, exc_info=True)
+
+
+def _fetcher_ended(state: WorkerState, source: ChunkQueue, turns: Optional[Turns]) -> None:
+    """What a fetcher does last, however it ended: the turn given back, its state and CPU time
+    final, and the rows it fetched and never put booked as discarded."""
+    if turns is not None:
+        turns.give(state.worker_id)
+    if not state.state.startswith(("ended", "failed")):
+        state.set("stopped")
+    state.ended_at = time.monotonic()
+    state.sample_cpu(state.ended_at)
+    # Rows fetched but never put (held for coalescing, or a chunk refused at stop) enter the
+    # ledger as fetched and discarded: every row fetch_fun returned is accounted for.
+    source.discarded(state.rows - state.rows_put, fetched=True)
 
 
 class ThreadFetchers:
