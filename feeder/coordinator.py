@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from .chunkqueue import ChunkQueue
 from .errors import FeederError
 from .feed import Feed
-from .fetchers import join_all
+from .joins import join_all
 from .metrics import Monitor
 from .processes.mainguard import ADVICE, refuse_in_bootstrap, unguarded_call
 from .sources.base import ROW_KEY, bind_sources, release_sources

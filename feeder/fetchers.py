@@ -39,14 +39,6 @@ TURN_S = 0.005            # a fetcher with the turn hands it on after a batch, o
 STEAL_S = 0.002           # a waiter takes the turn from a fetcher that has not started a call for this long
 
 
-def join_all(threads: Sequence[threading.Thread], deadline: float) -> None:
-    """Join threads against one shared deadline (monotonic seconds), not a timeout each."""
-    me = threading.current_thread()
-    for t in threads:
-        if t is not me and t.is_alive():
-            t.join(max(0.0, deadline - time.monotonic()))
-
-
 def put_chunk(source: ChunkQueue, chunk: Chunk, state: WorkerState, stop: threading.Event,
               pump: Optional[Callable[[Chunk], Optional[bool]]] = None) -> bool:
     """Put with short waits until it fits; False if the source stopped, closed or failed meanwhile.

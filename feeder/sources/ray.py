@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import FeederError, InputValidationError
-from ..fetchers import join_all
+from ..joins import join_all
 from .arrow import to_numpy
 from .base import ROW_KEY, SourceBinding
 from .transform import Transformable
