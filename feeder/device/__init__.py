@@ -13,8 +13,9 @@ its lock (``feeder.rebatcher``), its bytes are written into pinned staging memor
 threads outside the lock (``feeder.assembly``) unless they already lie in memory the device copies
 from fast (a worker process's registered shared memory, a fetcher's pinned coalescing buffer), then
 ``cudaMemcpyAsync`` on the feed's stream puts them into a device slot at their offsets; the consumer
-waits on the batch's event (the GIL released) and runs. ``feeder.runtime`` uses this package;
-nothing else does.
+waits on the batch's event (the GIL released) and runs. ``feeder.runtime`` makes those copies;
+the rest of feeder asks this package only where a session runs (``placement``: the argument
+checks, ``feeder.predict``, ``feeder bench``). It imports nothing of feeder's.
 """
 from .cudart import CudaError, CudaRuntime, StandIn
 from .memory import DeviceMemory, HostRanges, Slot, SlotRing, _HostBuffer, copy_value
