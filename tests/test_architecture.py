@@ -125,6 +125,57 @@ def test_no_module_over_800_lines():
     assert big == {}, f"modules over {MAX_MODULE_LINES} lines: {big}"
 
 
+# The lines of docs/architecture.md's "How the modules depend on each other", top to bottom: a
+# module may import from its own line and the lines below it, never from one above. A name ending
+# in "/" stands for a package and every module in it.
+LAYERS = [
+    ["feeder", "api", "checks", "scoring/", "bench", "__main__"],
+    ["coordinator"],
+    ["feed", "pump", "feedstats", "prometheus"],
+    ["processes/", "fetchers", "coalescing", "workerstate"],
+    ["runtime/", "sources/", "rowkeys"],
+    ["chunkqueue", "validation", "padding"],
+]
+# The leaves: below everything, importing nothing of feeder's beyond their own package.
+LEAVES = ["rebatcher", "ragged", "assembly", "readyqueue", "tuning", "diagnosis", "metrics", "pacing", "trace",
+          "joins", "device/", "storage/", "errors"]
+
+
+def _unit(module: str) -> str:
+    """The name a layer lists ``module`` under: its top-level module, or its package with a '/'."""
+    if module == "feeder":
+        return "feeder"
+    parts = module.split(".")
+    mods = _modules()
+    return parts[1] + "/" if f"feeder.{parts[1]}" in mods and mods[f"feeder.{parts[1]}"].endswith("__init__.py") \
+        else parts[1]
+
+
+def test_imports_flow_down_the_lines_of_the_architecture_page():
+    mods = _modules()
+    rank = {u: i for i, line in enumerate(LAYERS) for u in line}
+    rank.update({u: len(LAYERS) for u in LEAVES})
+    units = {_unit(m) for m in mods}
+    assert units == set(rank), f"modules on no line: {sorted(units - set(rank))}; " \
+                               f"lines naming no module: {sorted(set(rank) - units)}"
+    upward, leaking = [], []
+    for m, targets in import_graph(mods).items():
+        for t in targets:
+            um, ut = _unit(m), _unit(t)
+            if rank[ut] < rank[um]:
+                upward.append(f"{m} -> {t}")
+            if um in LEAVES and ut != um:
+                leaking.append(f"{m} -> {t}")
+    assert upward == [], f"imports from a line above the importer's own: {upward}"
+    assert leaking == [], f"leaves importing feeder's other modules: {leaking}"
+    page = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    section = page[page.index("## How the modules depend on each other"):page.index("## Where to change what")]
+    for u in [u for line in LAYERS for u in line] + LEAVES:
+        shown = "feeder/__init__.py" if u == "feeder" else u
+        assert f"`{shown}`" in section or (u == "rowkeys" and "`feeder/rowkeys.py`" in section), \
+            f"docs/architecture.md's layers do not name {shown}"
+
+
 def _commented(lines: List[str], node: ast.AST) -> bool:
     """A comment just above the function (or its decorators) says why it is one piece."""
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
