@@ -78,17 +78,23 @@ class Assembly:
                 return
             self._todo.append((place, work))
             self.deferred += 1
+            # A writer waiting for room (the enqueuer in wait()) takes it on: otherwise the thread
+            # that planned it writes every deferred batch alone, one after the other.
+            self._changed.notify_all()
 
     def pending(self) -> int:
         """Deferred batches nobody writes yet (lock-free read)."""
         return len(self._todo)
 
-    def work(self, write: Callable[[int, Any], Any]) -> int:
+    def work(self, write: Callable[[int, Any], Any], enough: Optional[Callable[[], bool]] = None) -> int:
         """Write deferred batches in this thread while there are any and fewer than ``threads`` threads
-        write; ``write(place, work)`` must call :meth:`complete` or :meth:`fail` for its place and
-        never raise. Returns how many it wrote."""
+        write, and (if given) until ``enough()`` says this thread has what it came for;
+        ``write(place, work)`` must call :meth:`complete` or :meth:`fail` for its place and never
+        raise. Returns how many it wrote."""
         n = 0
         while True:
+            if n and enough is not None and enough():
+                return n
             with self._lock:
                 if not self._todo or self.working >= self.threads or self._discarding:
                     return n

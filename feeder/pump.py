@@ -201,7 +201,13 @@ class Pump:
                 self._pump_failed(e)
             finally:
                 self._release_pump()
-        self._work()
+        # A consumer writes until a batch is ready for it, and leaves the batches after it to the
+        # enqueuer and the producers, who write them beside it: if it wrote them all, the copies of
+        # big batches would be made one after the other, by the one thread that waits for them.
+        self._work(self._has_ready)
+
+    def _has_ready(self) -> bool:
+        return len(self._ready) > 0
 
     def _pump_failed(self, e: Exception) -> None:
         """Making batches raised in a consumer's or a producer's pump (what the enqueuer does, done
@@ -310,11 +316,12 @@ class Pump:
                     rb.zero_copy_batches -= 1
         rb.buffers(plan, use_ring=plan.rows == rb.batch_size or self.dont_rebatch)
 
-    def _work(self) -> bool:
-        """Write big batches that wait to be written, in this thread (see ``feeder.assembly``)."""
+    def _work(self, enough: Optional[Callable[[], bool]] = None) -> bool:
+        """Write big batches that wait to be written, in this thread (see ``feeder.assembly``), until
+        ``enough()`` if given."""
         if not self._asm.pending():
             return False
-        return self._asm.work(self._write) > 0
+        return self._asm.work(self._write, enough) > 0
 
     def _write(self, place: int, plan: Any) -> bool:
         """Write a planned batch (its host copy, its OrtValues, its copy to the device) and hand it

@@ -87,6 +87,41 @@ def test_assembly_hands_batches_on_in_their_order_whoever_writes_them_first():
     assert done == places and pushed[3:] == [f"w{p}" for p in places]
 
 
+def test_a_consumer_writes_until_it_has_a_batch_and_leaves_the_rest_to_writers_beside_it():
+    # A consumer that found nothing ready writes deferred batches until one is ready for it
+    # (Pump._pump: enough=_has_ready), not all of them one after the other while the enqueuer and
+    # the producers wait: that made the copies of big batches serial (benchmarks/compare.py b).
+    pushed = []
+    asm = Assembly(4, lambda item: pushed.append(item) or True, lambda rows: None)
+    places = [asm.reserve(1) for _ in range(4)]
+    for p in places:
+        asm.defer(p, p)
+    wrote = asm.work(lambda place, work: asm.complete(place, place), enough=lambda: bool(pushed))
+    assert wrote == 1 and pushed == [places[0]] and asm.pending() == 3
+    assert asm.work(lambda place, work: asm.complete(place, place)) == 3 and pushed == places
+
+
+def test_a_writer_waiting_for_room_is_woken_by_a_deferred_batch():
+    # The enqueuer waits in Assembly.wait while batches being written take the room; a batch
+    # deferred meanwhile must wake it to write beside the others, not wait for a hand-on.
+    asm = Assembly(2, lambda item: True, lambda rows: None)
+    first = asm.reserve(1)  # being written elsewhere: room taken, nothing handed on for a while
+    woke = []
+
+    def waiter():
+        t0 = time.monotonic()
+        asm.wait(5.0)
+        woke.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)  # (the waiter is waiting)
+    asm.defer(asm.reserve(1), "second")
+    t.join(5.0)
+    assert woke and woke[0] < 2.0, f"the waiter slept {woke} s through a deferred batch"
+    asm.complete(first, "first")
+
+
 def test_a_discard_takes_what_waits_and_leaves_a_batch_being_written_to_its_writer():
     pushed, discarded = [], []
     asm = Assembly(2, lambda item: pushed.append(item) or True, discarded.append)
