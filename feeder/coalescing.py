@@ -35,15 +35,30 @@ COALESCE_SLOW_CALL_S = 0.002  # a fetch_fun call slower than this turns coalesci
 COALESCE_RING = 4         # reusable batch buffers per coalescing fetcher
 COALESCE_FRACTION = 4     # only chunks of at most 1/4 of a batch are coalesced (but see MADE_BYTES_PER_S)
 # A chunk of more than that (and less than a batch) is cut into batches by its own fetcher too when
-# the call that made it took at least as long as copying its bytes at this rate would (a chunk the
-# call wrote, not a view it returned), and other fetchers feed the source: the copy then reads rows
-# still in this core's cache, beside the other fetchers' copies, instead of every copy falling to the
-# one thread that plans batches. Measured on 2 cores (benchmarks/compare.py s-large: 64-row chunks of
-# 3 MB, made by a copy, batch 128): 2 fetcher threads went from 0.86-1.0x to 1.17-1.32x the serial
-# loop; chunks that are views (scenario b) keep the old way (coalescing them ran at 0.5-0.6x).
+# the call made it (a chunk the call wrote, not a view it returned) and other fetchers feed the
+# source: the copy then reads rows still in this core's cache, beside the other fetchers' copies,
+# instead of every copy falling to the one thread that plans batches. Measured on 2 cores
+# (benchmarks/compare.py s-large: 64-row chunks of 3 MB, made by a copy, batch 128): 2 fetcher
+# threads went from 0.86-1.0x to 1.17-1.32x the serial loop; chunks that are views (scenario b) keep
+# the old way. "Made" is read from the call's time: at least MADE_MIN_CALL_S, and at least what
+# writing its bytes at MADE_BYTES_PER_S takes. A view comes back in a few microseconds whatever its
+# size; a copy of a big chunk runs at memory speed, 10-40 GB/s on one core. The rate must stay
+# above the fastest copy: at 20 GB/s, a machine that copies 3 MB chunks at 25 GB/s (measured, AMD
+# EPYC, 2026-12-05) read them as views, and feeding ran at 0.96-1.0x the serial loop instead of 1.3x.
 # Chunks under MADE_MIN_BYTES keep the old way: their copy is cheap wherever it runs.
-MADE_BYTES_PER_S = 20e9
+MADE_BYTES_PER_S = 100e9
+MADE_MIN_CALL_S = 20e-6
 MADE_MIN_BYTES = 256 << 10
+
+
+def made(arrays: Tuple[np.ndarray, ...], call_s: float) -> bool:
+    """Whether a call that took ``call_s`` seconds made ``arrays`` (wrote their bytes, at memory
+    speed at most) rather than returning views of memory it had: see MADE_BYTES_PER_S. Only big
+    chunks (MADE_MIN_BYTES) are ever read as made."""
+    if call_s < MADE_MIN_CALL_S:
+        return False
+    nbytes = sum(a.nbytes for a in arrays)
+    return nbytes >= MADE_MIN_BYTES and call_s * MADE_BYTES_PER_S >= nbytes
 
 
 class Coalescer:
@@ -158,10 +173,8 @@ class Coalescer:
 
     @staticmethod
     def _made(arrays: Tuple[np.ndarray, ...], call_s: float) -> bool:
-        """A big chunk that the call took at least as long to make as copying it takes (see
-        MADE_BYTES_PER_S)."""
-        nbytes = sum(a.nbytes for a in arrays)
-        return nbytes >= MADE_MIN_BYTES and call_s * MADE_BYTES_PER_S >= nbytes
+        """A big chunk that the call made, by its time (see MADE_BYTES_PER_S)."""
+        return made(arrays, call_s)
 
     def flush_if_stale(self, now: float) -> None:
         """Put rows held longer than COALESCE_HOLD_S while the fetcher is parked; never blocks."""
