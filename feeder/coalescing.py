@@ -126,15 +126,15 @@ class Coalescer:
         return True
 
     def add(self, arrays: Tuple[np.ndarray, ...], rows: int, bs: int, now: float, slow_call: bool,
-            call_s: float = 0.0) -> bool:
-        """Take a validated chunk (``call_s``: seconds the call that made it took); put what makes
-        whole batches. False if a put failed (stop)."""
+            made_chunk: bool = False) -> bool:
+        """Take a validated chunk (``made_chunk``: the call made it, see :func:`made`); put what
+        makes whole batches. False if a put failed (stop)."""
         rb = self.rb
         if bs != rb.batch_size:
             rb.set_batch_size(bs)
             self.realign = False  # the enqueuer's boundaries moved: alignment is no longer known
         if rows * COALESCE_FRACTION > bs and not (
-                self.shared and not slow_call and rows < bs and self._made(arrays, call_s)):
+                self.shared and not slow_call and rows < bs and made_chunk):
             # Not tiny: its overhead is small next to its copy, which the enqueuer makes into a
             # buffer it reuses. Rows held before it go first, so that order is kept.
             if rb.pending_rows and not self.put_pending():
@@ -170,11 +170,6 @@ class Coalescer:
         if self.held_since and slow_call:
             return self.put_pending()
         return True
-
-    @staticmethod
-    def _made(arrays: Tuple[np.ndarray, ...], call_s: float) -> bool:
-        """A big chunk that the call made, by its time (see MADE_BYTES_PER_S)."""
-        return made(arrays, call_s)
 
     def flush_if_stale(self, now: float) -> None:
         """Put rows held longer than COALESCE_HOLD_S while the fetcher is parked; never blocks."""

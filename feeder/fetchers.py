@@ -280,9 +280,11 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 continue
             state.chunks += 1
             state.rows += rows
-            if short and turns is not None and rows * COALESCE_FRACTION > bs and made(arrays, now - state.since):
-                # A big chunk written at memory speed: the call's time went to a copy numpy makes
-                # without the GIL, which the other fetchers can make beside it (see Turns).
+            # A big chunk written at memory speed: the call's time went to a copy numpy makes without
+            # the GIL, which the other fetchers can make beside it (no turn, see Turns); its fetcher
+            # may cut it into batches itself (see Coalescer.add).
+            made_chunk = co is not None and rows * COALESCE_FRACTION > bs and made(arrays, now - state.since)
+            if made_chunk:
                 short = False
             if co is None:
                 if not put_chunk(source, Chunk(wid, arrays, rows), state, stop, pump):
@@ -300,7 +302,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 carried = burst(co, fetch_fun, wid, bs, validator._single, check, state)
                 continue
             put_before = state.rows_put
-            if not co.add(arrays, rows, bs, now, slow, now - state.since):
+            if not co.add(arrays, rows, bs, now, slow, made_chunk):
                 return
             state.copied_bytes = rb.copied_bytes
             if mine and turns is not None and turns.holds(wid) and turns.waiting and now - taken_at > TURN_S and (
