@@ -112,6 +112,7 @@ def measure(processes: int, threads: int, width: int, sleep_s: float, seconds: f
         c0, v0 = before.get(role, (0.0, 0))
         c1, v1 = after[role]
         out[f"{role} us/batch"] = (c1 - c0) / n * 1e6
+        out[f"{role} wake-ups/batch"] = (v1 - v0) / n
         if role != "fetchers":
             total += c1 - c0
             wakeups += v1 - v0

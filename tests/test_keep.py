@@ -129,6 +129,20 @@ def test_kept_columns_of_sources_with_ordered_and_resume(coord, tmp_path):
     assert first + rest == whole
 
 
+def test_columns_that_leave_out_a_kept_array_are_refused_saying_to_map_it(coord, tmp_path):
+    # A first-hour mistake: columns= maps the model's inputs only, keep= names an id column.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from feeder.sources import ParquetSource
+
+    ids = np.arange(10)
+    pq.write_table(pa.table({"x": list(np.ones((10, DIM), np.float32)), "id": ids}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"missing \['id'\].*keep= are read like inputs: map them too"):
+        feeder.init_data_input_workers(session(), ["x"], ParquetSource(tmp_path, columns={"x": "x"}), 8,
+                                       coordinator=coord, keep=["id"])
+
+
 def test_array_source_with_replicas_worker_processes_and_dont_rebatch(coord, mode):
     ids = np.arange(100)
     source = ArraySource({"x": np.repeat(ids[:, None], DIM, axis=1).astype(np.float32), "id": ids,

@@ -182,7 +182,7 @@ def test_a_missing_column_is_a_value_error_naming_it(ray_local, coord):
     with pytest.raises(ValueError, match="'nope'"):
         feeder.init_data_input_workers(None, ["x"], RayDataSource(ray_local.data.range(10), columns={"x": "nope"}),
                                        batch_size=4, coordinator=coord)
-    with pytest.raises(ValueError, match="give no column for inputs \\['y'\\]"):
+    with pytest.raises(ValueError, match="give no column for inputs \\['y'\\].*every array kept with keep="):
         feeder.init_data_input_workers(None, ["x", "y"], RayDataSource(ray_local.data.range(10),
                                        columns={"x": "id"}), batch_size=4, coordinator=coord)
     # Schema known only by running (map_batches): registration runs the first block to learn it.

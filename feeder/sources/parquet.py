@@ -188,7 +188,9 @@ class ParquetSource(ParquetStoreReads):
             if unknown or extra:
                 raise ValueError(f"ParquetSource columns {self.columns} must map exactly the inputs "
                                  f"{list(input_names)}" + (f"; missing {unknown}" if unknown else "")
-                                 + (f"; not inputs {extra}" if extra else ""))
+                                 + (f"; not inputs {extra}" if extra else "")
+                                 + (" (arrays kept with keep= are read like inputs: map them too)"
+                                    if unknown else ""))
             self.columns = {n: self.columns[n] for n in input_names}
         self._fingerprint()
         super().feeder_validate(input_names, resume)

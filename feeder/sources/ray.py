@@ -313,7 +313,9 @@ class RayDataSource(Transformable):
                              f"(its inputs are {list(input_names)})")
         missing = [name for name in input_names if name not in self.columns]
         if missing:
-            raise ValueError(f"RayDataSource columns give no column for inputs {missing}")
+            raise ValueError(f"RayDataSource columns give no column for inputs {missing}: columns= maps every "
+                             f"input, and every array kept with keep=, to its column (e.g. add "
+                             f"{missing[0]!r}: {missing[0]!r}), or leave columns=None to read same-named columns")
         return [(name, self.columns[name]) for name in input_names]
 
     def _learn_names(self) -> Optional[List[str]]:
