@@ -17,11 +17,13 @@ threads the fetchers' own time is shown apart: it is the fetch's cost, which wor
 in their own process.
 
 Measured on 2 cores (2026-12-05, results/parent_cost.json): with 1 or 2 worker processes a batch
-costs the main process 38-47 us back to back and 139-144 us one at a time, with 3.4-3.5 wake-ups
-per batch (the receiver's poll, the consumer's wait, the GIL passed between them); the receivers
-take about 100 us of it. With 2 fetcher threads: 10 and 27 us, 1.1 wake-ups, the fetch apart. The
-difference between the two regimes is the price of waking the threads that receive a batch and
-hand it on, and that is what worker processes pay per batch on large rows.
+costs the main process 38-47 us back to back and 130-134 us one at a time, with 3.3-3.4 wake-ups
+per batch: the receiver's poll (1), and the consumer's 2.2, its wait for the batch and, about once
+a batch, for the GIL the receiver still holds after handing the batch on (``perf`` on
+``sched_switch``). The receivers take 91-99 us of it. With 2 fetcher threads: 10 and 21 us, the
+consumer waking 1.1 times a batch, the fetch apart. The difference between the two regimes is the
+price of waking the threads that receive a batch and hand it on, and that is what worker
+processes pay per batch on large rows.
 
     python benchmarks/parent_cost.py [--seconds 3] [--sleep 0.001] [--json results/parent_cost.json]
 """
