@@ -84,8 +84,9 @@ def _threads() -> Dict[str, Tuple[float, int]]:
         except (OSError, StopIteration):
             continue  # the thread ended meanwhile
         cpu = (int(fields[11]) + int(fields[12])) / TICK
-        c, v = out.get(_role(t.name), (0.0, 0))
-        out[_role(t.name)] = (c + cpu, v + vol)
+        role = _role(t.name)
+        c, v = out.get(role, (0.0, 0))
+        out[role] = (c + cpu, v + vol)
     return out
 
 
