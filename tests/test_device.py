@@ -786,15 +786,16 @@ def test_a_trace_shows_fetch_assemble_copy_wait_and_run(tmp_path, coord, mode, m
 
     monkeypatch.setattr(feeder.feed, "PARALLEL_BYTES", 0)  # every batch written outside the lock: "assemble"
     feeder.init_data_input_workers(session(id_outputs_model()), ["x"], XOnly(Sharded(10**6, 2, sizes=(5, 16))), 16,
-                                   coordinator=coord, timeout=60, device=STAGED, **workers(mode, 2))
+                                   coordinator=coord, timeout=60, device=STAGED, max_buffered_batches=8,
+                                   **workers(mode, 2))
     path = tmp_path / "trace.json"
     coord.start()
     feed = coord.feed("train")
     for _ in range(5):
         feed.run()
     with feed.trace(path) as tracer:
-        # At least 40 batches, and on until a fetch is seen: the queues may hold more than 40
-        # batches' rows fetched before the trace began (seen in CI, on a loaded machine).
+        # At least 40 batches, and on until a fetch is seen: what was queued before the trace began
+        # (8 chunks of at most 16 rows, plus the batches in flight) is drained long before 400.
         for n in range(400):
             feed.run()
             if n >= 39 and any(e.get("name") == "fetch" for e in tracer.events()):
