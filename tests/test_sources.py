@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from utils import workers
 
 import feeder
 from feeder.sources import ArraySource
@@ -323,6 +324,43 @@ def test_array_source_inputs_by_name_or_order_and_memory_mapped(tmp_path):
         feeder.init_data_input_workers(None, ["x"], ArraySource([x, y]), 5, coordinator=feeder.GlobalCoordinator())
     with pytest.raises(ValueError, match="epochs"):
         ArraySource([x], epochs=0)
+
+
+@pytest.mark.parametrize("mode,n", [("threads", 1), ("threads", 2), ("processes", 1)])
+@pytest.mark.parametrize("batch_size", [4, 5])  # batches inside one block (views), or across two (assembled)
+def test_a_consumer_writing_into_its_batches_never_changes_the_users_arrays(mode, n, batch_size, tmp_path):
+    # An unshuffled ArraySource's batches are views of the user's arrays where a batch lies in one
+    # block (no copy is made). A consumer that writes into a batch in place must not change the data
+    # that later epochs read: such views are read-only, and the write is numpy's error at once.
+    x = np.arange(80, dtype=np.float32).reshape(40, 2)
+    np.save(tmp_path / "y.npy", np.arange(40))
+    y = np.load(tmp_path / "y.npy", mmap_mode="r+")  # a writable memory-mapped file: writes would reach it
+    kept = x.copy()
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    refused = 0
+    try:
+        feeder.init_data_input_workers(None, ["x", "y"], ArraySource({"x": x, "y": y}, block_rows=8, epochs=2),
+                                       batch_size, coordinator=coord, **workers(mode, n))
+        coord.start()
+        seen = []
+        for b in coord.feed("train"):
+            seen.append(b["y"].copy())
+            np.testing.assert_array_equal(b["x"], kept[b["y"]])  # what the source holds, never what we wrote
+            for name in ("x", "y"):
+                if np.shares_memory(b[name], x) or np.shares_memory(b[name], y):
+                    assert not b[name].flags.writeable, f"a writable view of the user's {name!r}"
+                try:
+                    b[name][...] = -7
+                except ValueError as e:
+                    assert "read-only" in str(e)
+                    refused += 1
+    finally:
+        coord.stop()
+    np.testing.assert_array_equal(x, kept)
+    assert np.load(tmp_path / "y.npy").tolist() == list(range(40))
+    assert sorted(np.concatenate(seen).tolist()) == sorted(list(range(40)) * 2)
+    if mode == "threads":
+        assert refused, "no batch was a view: the test no longer tests what it says"
 
 
 def test_a_source_is_picklable_once_bound_and_shards_by_worker_id():

@@ -20,7 +20,9 @@ class ArraySource(ShardedSource):
     """Feed the rows of numpy arrays (``np.load(path, mmap_mode="r")`` ones too: only the rows
     of each unit are read, by slicing), sharded between every worker and replica.
 
-    Units of work are blocks of ``block_rows`` consecutive rows, one per fetch.
+    Units of work are blocks of ``block_rows`` consecutive rows, one per fetch. Unshuffled, a
+    block is a read-only view of ``arrays`` (no copy): a batch inside one block is handed on as
+    that view, so writing into it is numpy's read-only error rather than a change to your data.
 
     Args:
         arrays: ``{input name: array}``, or a list of arrays in input order; all of the same
@@ -171,9 +173,17 @@ class ArraySource(ShardedSource):
         start = int(self._offsets[unit])
         n = int(self._units[unit])
         if len(rows) == n and (n < 2 or (rows[0] == 0 and bool((np.diff(rows) == 1).all()))):
-            # in order: a slice, which for a memory-mapped array reads just these rows, once
-            return [np.asarray(a[start:start + n]) for a in self.arrays]
+            # in order: a slice, which for a memory-mapped array reads just these rows, once. It is
+            # a view of the user's own array, which later epochs read again: read-only, so that
+            # nothing downstream writes into it (the feed copies it into a batch of its own).
+            return [_read_only(np.asarray(a[start:start + n])) for a in self.arrays]
         lo = int(rows.min())
         hi = int(rows.max()) + 1
         # take the block's span once, then gather: one sequential read of a memory-mapped file
         return [np.take(np.asarray(a[start + lo:start + hi]), rows - lo, axis=0) for a in self.arrays]
+
+
+def _read_only(view: np.ndarray) -> np.ndarray:
+    """``view`` made read-only (the array it views keeps its own flag)."""
+    view.flags.writeable = False
+    return view
