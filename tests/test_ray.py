@@ -152,6 +152,23 @@ def test_a_ragged_column_feeds_a_padded_input(ray_local, coord):
     assert sorted(seen) == list(range(200))
 
 
+def test_a_column_named_like_a_mask_is_refused_at_registration(ray_local, coord):
+    # As for the other sources: found when registering, not at the first chunk.
+    from feeder.sources import RayDataSource
+
+    ds = ray_local.data.from_items([{"tokens": np.arange(3), "tokens_mask": np.ones(3, bool), "k": k}
+                                    for k in range(8)])
+    with pytest.raises(ValueError, match=r"pad= makes a mask 'tokens_mask' for padded input 'tokens', and the "
+                                         r"RayDataSource has a column 'tokens_mask'"):
+        feeder.init_data_input_workers(None, ["tokens", "tokens_mask", "k"], RayDataSource(ds), 4,
+                                       coordinator=coord, pad={"tokens": 0})
+    with pytest.raises(ValueError, match=r"mask_names names a mask 'k' for padded input 'tokens', and the "
+                                         r"RayDataSource has a column 'k'"):
+        feeder.init_data_input_workers(None, ["tokens"], RayDataSource(ds, columns={"tokens": "tokens", "k": "k"}),
+                                       4, coordinator=coord, pad={"tokens": 0}, mask_names={"tokens": "k"},
+                                       keep=["k"])
+
+
 def test_session_run_and_column_mapping(ray_local, coord):
     from models import linear_model, session
 

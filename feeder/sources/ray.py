@@ -403,6 +403,14 @@ class RayDataSource(Transformable):
                              "but its columns cannot be learned before it runs; give columns={input: column}")
         return list(names)
 
+    def _offered_columns(self) -> Optional[Tuple[List[str], bool]]:
+        """The columns the source can name at registration (``feeder.checks``: a mask named like one
+        is refused there, not at the first chunk), and whether each of them feeds an input."""
+        if self.columns is not None:  # columns= maps exactly the inputs
+            return list(self.columns), True
+        names = self._learn_names()  # (learned once: registration's feeder_validate needs them too)
+        return (list(names), False) if names else None
+
     def _check_columns(self, pairs: Sequence[Tuple[str, str]]) -> None:
         """ValueError naming a column the inputs need that the dataset lacks (see _learn_names)."""
         names = self._learn_names()
