@@ -496,6 +496,15 @@ class ChunkQueue:
         """True once :meth:`close` ran (``stop()``): puts and gets return ``CLOSED`` from then on."""
         return self._closed
 
+    def waiting_on(self) -> Optional[int]:
+        """For an ordered source: the worker whose turn it is when it has no chunk queued (the
+        round-robin waits for it, whatever the others hold); None otherwise."""
+        if not self.ordered:
+            return None
+        with self._lock:
+            turn = self._turn()
+            return turn if turn is not None and not self._per_worker.get(turn) else None
+
     def live_workers(self) -> List[int]:
         """The registered worker ids that have not ended (raised ``StopIteration``), sorted."""
         with self._lock:

@@ -79,6 +79,14 @@ class FeedStats:
                              f"pause up to {NONE_PAUSE_MAX_S * 1e3:.0f} ms between such calls")
             else:
                 lines.append(f"  {nones} of the {calls} fetch_fun calls returned None (nothing this time)")
+        waiting_on = self.feed.source.waiting_on()
+        if waiting_on is not None and self.feed.source.qsize():
+            # A None takes no turn (the batches stay the same whatever the timing), so a worker that
+            # keeps returning None holds up the others' queued chunks: say whose turn it is.
+            lines.append(f"  ordered=True: the round-robin waits for worker {waiting_on}'s next chunk (its turn), "
+                         f"with the other workers' chunks queued behind it; a None takes no turn: a worker with "
+                         f"nothing more raises StopIteration, and one with nothing this time on purpose returns "
+                         f"feeder.sources.SKIP, which passes its turn")
         what = describe_source(self.feed._fetch_fun)
         if what:
             lines.append(f"  fetch_fun: {what}")

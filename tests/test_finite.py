@@ -159,6 +159,43 @@ def test_ordered_gives_identical_batches_whatever_the_timing(mode):
     assert chunk_order[-2:] == [(0, 5), (0, 6)]
 
 
+class NoneOrSkipFromWorker1:
+    """Worker 1 has nothing, ever: it returns None, or SKIP (passing its turn on purpose)."""
+
+    def __init__(self, nothing):
+        self.nothing = nothing
+
+    def __call__(self, wid, batch_size):
+        if wid == 1:
+            return self.nothing
+        return [np.full((2, 1), wid, np.float32)]
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_ordered_a_worker_that_only_returns_none_holds_the_round_robin_and_the_timeout_says_whose_turn(coord, mode):
+    # A None takes no turn (the batches must not depend on when it came), so the others' chunks wait
+    # behind worker 1. That is a FeedTimeout naming worker 1's turn and what to return instead.
+    feeder.init_data_input_workers(None, ["x"], NoneOrSkipFromWorker1(None), 2, coordinator=coord, ordered=True,
+                                   max_buffered_batches=8, **workers(mode, 2))
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.FeedTimeout, match=r"ordered=True: the round-robin waits for worker 1's next chunk "
+                                                 r"\(its turn\).*feeder\.sources\.SKIP"):
+        for _ in range(20):
+            feed.next_batch(timeout=1.0)
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_ordered_a_worker_returning_skip_passes_its_turn(coord, mode):
+    from feeder.sources import SKIP
+
+    feeder.init_data_input_workers(None, ["x"], NoneOrSkipFromWorker1(SKIP), 2, coordinator=coord, ordered=True,
+                                   max_buffered_batches=8, **workers(mode, 2))
+    coord.start()
+    feed = coord.feed("train")
+    assert [feed.next_batch(timeout=10)["x"].ravel().tolist() for _ in range(20)] == [[0, 0]] * 20
+
+
 def test_ordered_replicas_must_agree(coord):
     register(coord, Dataset(10), 5, ordered=True)
     with pytest.raises(ValueError, match="ordered"):
