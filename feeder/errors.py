@@ -69,3 +69,12 @@ class RemoteError(FeederError):
 
     Its message holds the original exception's type name, message and the child's traceback.
     """
+
+
+def exception_text(e: BaseException) -> str:
+    """``str(e)``, or a stand-in when the exception's own ``__str__`` raises: a message about a
+    user's exception must never fail in its turn (and hide the exception it is about)."""
+    try:
+        return str(e)
+    except Exception:
+        return f"<{type(e).__name__}: str() failed>"

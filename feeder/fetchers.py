@@ -18,7 +18,7 @@ import numpy as np
 
 from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .coalescing import COALESCE_FRACTION, COALESCE_HOLD_S, COALESCE_SLOW_CALL_S, Coalescer, burst, made
-from .errors import Failure, FeederError, FetchError, InputValidationError
+from .errors import Failure, FeederError, FetchError, InputValidationError, exception_text
 from .pacing import AFTER_NONE, NoneReport, none_pause
 from .sources.base import SKIP
 from .trace import TraceHook
@@ -347,11 +347,12 @@ def _fetch_raised(e: BaseException, state: WorkerState, source: ChunkQueue, sour
         return False
     if isinstance(e, InputValidationError):  # bad data (feeder.sources): never tolerated
         state.set("failed")
-        source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {e}"), e))
+        source.fail(Failure(InputValidationError(f"source {source_name!r}, worker {wid}: {exception_text(e)}"), e))
         return False
     if getattr(e, "feeder_final", False):  # the source cannot serve again (feeder.sources.base)
         state.set("failed")
-        source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {e}"), e.__cause__ or e))
+        source.fail(Failure(FetchError(f"source {source_name!r}, worker {wid}: {exception_text(e)}"),
+                            e.__cause__ or e))
         return False
     state.fetch_errors += 1
     n = source.note_fetch_error()
@@ -359,7 +360,7 @@ def _fetch_raised(e: BaseException, state: WorkerState, source: ChunkQueue, sour
         log.warning("source %r worker %d: fetch_fun raised (%d of %d tolerated); skipping that call",
                     source_name, wid, n, max_fetch_errors, exc_info=e)
         return True
-    msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {e}"
+    msg = f"source {source_name!r}, worker {wid}: fetch_fun raised {type(e).__name__}: {exception_text(e)}"
     if max_fetch_errors:
         msg += f" (fetch error {n}, more than max_fetch_errors={max_fetch_errors})"
     state.set("failed")
@@ -393,7 +394,7 @@ def _fetcher_failed(e: BaseException, state: WorkerState, source: ChunkQueue, so
     wid = state.worker_id
     state.set("failed")
     source.fail(Failure(FeederError(f"source {source_name!r}, worker {wid}: fetcher thread failed: "
-                                    f"{type(e).__name__}: {e}"), e))
+                                    f"{type(e).__name__}: {exception_text(e)}"), e))
     log.error("source %r worker %d: fetcher thread failed", source_name, wid, exc_info=True)
 
 

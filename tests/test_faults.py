@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from utils import Dataset, FailAt, ListLogger, Sharded, ones4, until, wait_until, workers
+from utils import Dataset, FailAt, ListLogger, Sharded, UnprintableError, ones4, until, wait_until, workers
 
 import feeder
 import feeder.feed
@@ -56,6 +56,21 @@ def test_fetch_error_on_one_worker_reaches_the_consumer_with_its_cause(coord, mo
     with pytest.raises(feeder.FetchError) as again:  # sticky
         feed.next_batch()
     assert again.value.__cause__ is err.__cause__
+
+
+def test_an_exception_whose_str_raises_is_still_a_fetch_error_with_it_as_the_cause(coord, mode):
+    # It was a FeederError "fetcher thread failed: RuntimeError: str is broken" in threads, the
+    # user's exception lost, because the message about it called str() on it.
+    boom = UnprintableError("x")
+    feeder.init_data_input_workers(None, ["x"], FailAt(2, boom), 4, coordinator=coord, timeout=10,
+                                   **workers(mode, 1))
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.FetchError, match=r"fetch_fun raised UnprintableError: <UnprintableError: str\(\) "
+                                                r"failed>") as info:
+        for _ in until(20):
+            feed.next_batch()
+    assert same_exception(info.value.__cause__, boom, mode)
 
 
 def test_fetch_error_is_sticky_for_every_replica(coord, mode):

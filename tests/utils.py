@@ -121,6 +121,13 @@ class FailAt:
         return rows_of_ones()
 
 
+class UnprintableError(Exception):
+    """An exception whose own ``__str__`` raises."""
+
+    def __str__(self):
+        raise RuntimeError("str is broken")
+
+
 class UnpicklableError(Exception):
     """Pickles, but cannot be rebuilt (its __init__ wants two arguments)."""
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InputValidationError
+from ..errors import InputValidationError, exception_text
 from ..pacing import AFTER_NONE, none_pause
 from ..ragged import concat_shapes
 from ..rebatcher import take_rows
@@ -445,10 +445,7 @@ def _describe_exception(e: BaseException) -> Tuple[Optional[bytes], str, str, st
         data: Optional[bytes] = pickled
     except Exception:
         data = None
-    try:
-        text = str(e)
-    except Exception:
-        text = f"<{type(e).__name__}: str() failed>"
+    text = exception_text(e)
     return data, f"{type(e).__module__}.{type(e).__qualname__}", text, tb, frames
 
 

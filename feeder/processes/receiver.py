@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ..chunkqueue import Chunk, ChunkQueue
-from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError
+from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError, exception_text
 from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
 from ..pacing import NoneReport
 from ..trace import TraceHook
@@ -145,7 +145,8 @@ class Receivers:
             w.done = True
             state.set("failed")
             source.fail(Failure(FeederError(f"source {source.name!r}, worker {state.worker_id}: the receiver of "
-                                            f"worker process {w.pid} failed: {type(e).__name__}: {e}"), e))
+                                            f"worker process {w.pid} failed: {type(e).__name__}: "
+                                            f"{exception_text(e)}"), e))
             log.error("source %r worker %d: receiver thread failed", source.name, state.worker_id, exc_info=True)
         finally:
             if not state.state.startswith(("ended", "failed")):
