@@ -755,6 +755,35 @@ def test_a_memory_mapped_array_source_is_not_copied_into_the_processes(coord, tm
     assert sorted(np.concatenate(got).tolist()) == list(range(n // 4, n))
 
 
+@pytest.mark.parametrize("mode", ["r", "r+"])
+def test_a_memory_mapped_array_a_fetch_function_holds_travels_as_its_file(coord, tmp_path, mode):
+    # It travelled as its contents: registration read a 512 MiB file whole (1-3 s; 7.5 s for 1 GiB),
+    # and each worker process held a copy that never saw the file change.
+    from feeder.processes.sending import dumps
+
+    path = str(tmp_path / "big.f32")
+    with open(path, "wb") as f:
+        f.truncate(64 << 20)  # sparse: nothing is written, the pages exist only when touched
+    mm = np.memmap(path, dtype=np.float32, mode=mode, shape=((64 << 20) // 16, 4))
+
+    def fetch(worker_id, batch_size):
+        return [np.array(mm[:batch_size])]
+
+    assert len(dumps(fetch)) < 64 << 10  # the file's name and offsets, not 64 MiB
+    feeder.init_data_input_workers(None, ["x"], fetch, 4, coordinator=coord, timeout=30, num_worker_processes=1,
+                                   max_buffered_batches=1)
+    coord.start()
+    feed = coord.feed("train")
+    assert (feed.next_batch()["x"] == 0).all()
+    with open(path, "r+b") as f:  # the file changes: a worker that maps it sees the change
+        f.write(np.full(8, 2.0, np.float32).tobytes())
+    for _ in until(30):
+        if (feed.next_batch()["x"][:2] == 2.0).all():
+            break
+    else:
+        raise AssertionError("the worker process never saw the file change: it holds a copy")
+
+
 def check_id_rows(batch) -> np.ndarray:
     assert (batch["x"] == batch["id"][:, None]).all()
     return batch["id"].copy()

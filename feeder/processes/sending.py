@@ -38,6 +38,10 @@ from multiprocessing.context import BaseContext
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, List, Optional
 
+import numpy as np
+
+from ..sources.mapped import FileRegion, file_region
+
 
 def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> bytes:
     """``obj`` cloudpickled, with multiprocessing's reducers for its own objects (call it inside a
@@ -53,9 +57,24 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
                                   cloudpickle.Pickler.dispatch_table,
                                   ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
 
+        def reducer_override(self, obj: Any) -> Any:
+            # A memory-mapped array (or a view of one) that the function holds travels as its file
+            # and offsets, as an ArraySource's does, never as the bytes it maps (a 10 GB file would
+            # be read whole and copied into every worker process).
+            if isinstance(obj, np.ndarray):
+                region = file_region(obj, keep_mode=True)
+                if region is not None:
+                    return _open_region, (region,)
+            return super().reducer_override(obj)
+
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
     return buf.getvalue()
+
+
+def _open_region(region: FileRegion) -> np.ndarray:
+    """A memory-mapped array sent by :func:`dumps`, mapped again from its file."""
+    return region.open()
 
 
 def _code(code: types.CodeType) -> Any:

@@ -26,22 +26,25 @@ class FileRegion:
     dtype: Any
     shape: Tuple[int, ...]
     strides: Tuple[int, ...]
+    writable: bool = False  # mapped "r+" (writes reach the file, as in the process it came from)
 
     def open(self) -> np.ndarray:
-        """The array, mapped read-only from the file (only the span it covers)."""
+        """The array, mapped from the file (only the span it covers): read-only unless ``writable``."""
         dt = np.dtype(self.dtype)
         low = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s < 0)
         high = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s > 0) + dt.itemsize
-        span = np.memmap(self.filename, dtype=np.uint8, mode="r", offset=self.offset + low, shape=(high - low,))
+        span = np.memmap(self.filename, dtype=np.uint8, mode="r+" if self.writable else "r",
+                         offset=self.offset + low, shape=(high - low,))
         out: np.ndarray = np.ndarray(self.shape, dtype=dt, buffer=span, offset=-low, strides=self.strides)
         return out
 
 
-def file_region(a: np.ndarray) -> Optional[FileRegion]:
+def file_region(a: np.ndarray, keep_mode: bool = False) -> Optional[FileRegion]:
     """The file region of ``a`` when its memory is a shared mapping of a file that still exists
     (a ``np.memmap``, ``np.load(..., mmap_mode="r")``, a view or slice of one, or an array whose
     ``.base`` chain leads to one); None otherwise, and for copy-on-write mappings (``mode="c"``),
-    whose changes are not in the file."""
+    whose changes are not in the file. ``keep_mode``: a writable ``a`` of a writable mapping
+    stays writable where it is opened again (else it is opened read-only)."""
     if a.size == 0 or a.dtype.hasobject:
         return None
     root: Any = a
@@ -54,4 +57,5 @@ def file_region(a: np.ndarray) -> Optional[FileRegion]:
         return None
     # root's first byte is at root.offset of the file; a's data pointer is that far from root's.
     offset = int(root.offset) + (a.__array_interface__["data"][0] - root.__array_interface__["data"][0])
-    return FileRegion(filename, offset, a.dtype, tuple(a.shape), tuple(a.strides))
+    writable = keep_mode and root.mode in ("r+", "w+") and a.flags.writeable
+    return FileRegion(filename, offset, a.dtype, tuple(a.shape), tuple(a.strides), writable)
