@@ -278,6 +278,7 @@ class ShardedSource(Transformable):
         """
         if resume is not None:
             check_state(resume, self._definition())
+            self._rank_plan(None, resume)  # another rank's state, or of another world: refused here already
 
     def feeder_definition(self) -> Dict[str, Any]:
         """What a checkpoint of this source records about it, to refuse a state of another source."""
@@ -314,7 +315,7 @@ class ShardedSource(Transformable):
             self._windows = {}
             self._plan_sequence(basis if len(basis) else None)
 
-    def _rank_plan(self, name: str, resume: Optional[Mapping[str, Any]]
+    def _rank_plan(self, name: Optional[str], resume: Optional[Mapping[str, Any]]
                    ) -> Tuple[Optional[RankPlan], np.ndarray, int]:
         """(how this rank cuts its share, the basis ranges the sequence is planned from, how many of
         the basis's rows were filtered) for a run that resumes from ``resume`` (see
@@ -333,18 +334,19 @@ class ShardedSource(Transformable):
             return RankPlan(self.shard[0], self.shard[1], self.equal_steps), ranges, filtered
         assert record is not None and resume is not None
         theirs = f"the state of rank {record['ranks']} of a world of {record['world']}"
+        who = f"source {name!r}: " if name else f"{type(self).__name__}: "
         merge = ("merge every rank's state with feeder.sources.merge_states([...]) and resume every rank from the "
                  "merged state")
         if not sharded:
-            raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is not sharded: {merge}")
+            raise ValueError(f"{who}resume_from is {theirs}, and this source is not sharded: {merge}")
         assert self.shard is not None
         rank, world = self.shard
         if record["world"] != world or record["ranks"] != [rank]:
-            raise ValueError(f"source {name!r}: resume_from is {theirs}, and this source is rank {rank} of {world}: "
+            raise ValueError(f"{who}resume_from is {theirs}, and this source is rank {rank} of {world}: "
                              f"a rank resumes from its own state on the same world size; otherwise {merge}")
         theirs_equal = record.get("equal_steps")  # (None: a state of a feeder that did not record it)
         if theirs_equal is not None and bool(theirs_equal) != self.equal_steps:
-            raise ValueError(f"source {name!r}: resume_from is {theirs} with equal_steps={bool(theirs_equal)}, and "
+            raise ValueError(f"{who}resume_from is {theirs} with equal_steps={bool(theirs_equal)}, and "
                              f"this source has equal_steps={self.equal_steps}: a rank resumes from its own state with "
                              f"its share cut as before (cut otherwise, rows would be delivered twice or never); "
                              f"create the source with equal_steps={bool(theirs_equal)}, or {merge} (a merged state "
