@@ -363,6 +363,24 @@ def test_a_consumer_writing_into_its_batches_never_changes_the_users_arrays(mode
         assert refused, "no batch was a view: the test no longer tests what it says"
 
 
+def test_array_source_refuses_names_that_are_not_strings_and_masked_values():
+    with pytest.raises(TypeError, match=r"input name \(str\).*1 is a int"):
+        ArraySource({1: np.arange(4)})
+    masked = np.ma.masked_array(np.arange(10.0), mask=[0] * 5 + [1] + [0] * 4)
+    with pytest.raises(feeder.InputValidationError, match=r"array 'x' is a masked array with 1 masked value\(s\) "
+                                                          r"\(nulls\), the first in row 5"):
+        ArraySource({"x": masked})
+    src = ArraySource({"x": np.ma.masked_array(np.arange(4.0))})  # nothing masked: its values
+    coord = feeder.GlobalCoordinator(join_timeout=3.0)
+    try:
+        feeder.init_data_input_workers(None, ["x"], src, 4, coordinator=coord)
+        coord.start()
+        (b,) = list(coord.feed("train"))
+        assert type(b["x"]) is np.ndarray and b["x"].tolist() == [0, 1, 2, 3]
+    finally:
+        coord.stop()
+
+
 def test_a_source_is_picklable_once_bound_and_shards_by_worker_id():
     import pickle
     src = ArraySource({"x": np.arange(10)}, block_rows=2)

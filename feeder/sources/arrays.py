@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..errors import InputValidationError
 from .mapped import FileRegion, file_region
 from .sharded import ShardedSource
 
@@ -43,7 +44,8 @@ class ArraySource(ShardedSource):
             "Many hosts without Ray".
 
     Raises:
-        TypeError: ``arrays`` is not a dict or a list of arrays; a bad argument type.
+        TypeError: ``arrays`` is not a dict (of str names) or a list of arrays; a bad argument type.
+        InputValidationError: A masked array with masked values (nulls).
         ValueError: Arrays of different lengths, or a bad argument value (a negative
             ``seed``, a rank outside the world, fewer rows than ranks).
     """
@@ -54,7 +56,11 @@ class ArraySource(ShardedSource):
         super().__init__(shuffle=shuffle, seed=seed, epochs=epochs, shard=shard, equal_steps=equal_steps,
                          shuffle_window=shuffle_window)
         if isinstance(arrays, Mapping):
-            self.names: Optional[List[str]] = [str(k) for k in arrays]
+            bad = [k for k in arrays if not isinstance(k, str)]
+            if bad:  # (1 would have become the input "1")
+                raise TypeError(f"arrays must be a dict of input name (str) -> array; {bad[0]!r} is a "
+                                f"{type(bad[0]).__name__}")
+            self.names: Optional[List[str]] = list(arrays)
             items = list(arrays.values())
         elif isinstance(arrays, (list, tuple)):
             self.names = None
@@ -70,6 +76,16 @@ class ArraySource(ShardedSource):
                 raise TypeError(f"array {self._label(i)} must be a numpy array, got {type(a).__name__}")
             if a.ndim < 1:
                 raise ValueError(f"array {self._label(i)} must have a row axis (rank >= 1), got a scalar")
+            if isinstance(a, np.ma.MaskedArray):
+                # A masked value is numpy's null: refused as a null in any source's column is; an
+                # array with nothing masked feeds its values.
+                masked = int(np.ma.getmaskarray(a).sum())
+                if masked:
+                    first = int(np.argwhere(np.ma.getmaskarray(a))[0][0])
+                    raise InputValidationError(f"ArraySource: array {self._label(i)} is a masked array with {masked} "
+                                               f"masked value(s) (nulls), the first in row {first}: fill them "
+                                               f"(a.filled(value)) or leave those rows out")
+                a = np.asarray(a.data)
             self.arrays.append(a)
         n = len(self.arrays[0])
         for i, a in enumerate(self.arrays):
