@@ -324,14 +324,28 @@ class ChunkValidator:
                 f"returns data of that name, name the mask otherwise (mask_names={{{padded!r}: "
                 f"{padded + '_pad_mask'!r}}})")
 
+    def _refuse_none(self, a: np.ndarray, spec: InputSpec, worker_id: int) -> None:
+        """A None in an object array is a null, said as such (not as a wrong dtype)."""
+        flat = a.ravel()  # (identity, not ==: an element may be an array)
+        at = next((i for i, x in enumerate(flat) if x is None), None)
+        if at is not None:
+            row = int(np.unravel_index(at, a.shape)[0]) if a.ndim else 0
+            nulls = sum(x is None for x in flat)
+            expected = "strings" if spec.is_string else ("values" if spec.dtype is None else f"dtype {spec.dtype}")
+            raise self._fail(worker_id, spec.name, f"{expected} without nulls",
+                             f"a null (None) in row {row} of the chunk ({nulls} in all)")
+
     def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int, learned: bool) -> np.ndarray:
         if spec.is_string:
             if a.dtype.kind not in "OUS":
                 raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
+            if a.dtype.kind == "O":
+                self._refuse_none(a, spec, worker_id)
             return a
         if a.dtype.kind == "O":
             if self.learn and not self._learned and spec.dtype is None and _all_strings(a):
                 return a  # a string input, learned from this first chunk (Ray Data hands strings so)
+            self._refuse_none(a, spec, worker_id)
             raise self._fail(worker_id, spec.name, f"a numeric array{_want(spec.dtype)}",
                              f"dtype object (shape {a.shape}); object arrays are accepted only for string inputs")
         want = spec.dtype

@@ -68,6 +68,34 @@ def test_object_dtype(coord):
     assert "input 'k'" in msg and "object" in msg and "int64" in msg
 
 
+def test_a_none_in_an_object_array_is_a_null_said_so(coord, mode):
+    # It was "expected a numeric array ... object arrays are accepted only for string inputs" for a
+    # string array with a None in it, and a string input let the None through.
+    obj = np.array([[1], [None], [3]], dtype=object)
+    msg = failing_source(coord, [GOOD_A, obj], mode=mode)
+    assert "input 'k'" in msg and "expected dtype int64 without nulls" in msg and "a null (None) in row 1" in msg
+
+
+class StringsThenNone:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, worker_id, batch_size):
+        self.calls += 1
+        return [np.array(["a", "b"] if self.calls == 1 else ["c", None], dtype=object)]
+
+
+def test_a_none_among_strings_is_a_null_once_the_input_is_known_to_be_strings(coord):
+    feeder.init_data_input_workers(None, ["s"], StringsThenNone(), 2, coordinator=coord, timeout=10,
+                                   num_worker_threads=1)
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.InputValidationError, match=r"input 's': expected strings without nulls, got a null "
+                                                          r"\(None\) in row 1"):
+        for _ in range(2):  # (the first batch may or may not be handed out before the failure)
+            assert feed.next_batch()["s"].tolist() == ["a", "b"]
+
+
 def test_mismatched_row_counts(coord, mode):
     msg = failing_source(coord, [GOOD_A, np.zeros((5, 1), np.int64)], mode=mode)
     assert "input 'k'" in msg and "3 rows" in msg and "5 rows" in msg
