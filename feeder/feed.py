@@ -151,6 +151,7 @@ class Feed(Pump):
         self._specs = list(specs)
         self._validate = validator  # the source's, shared by its replicas
         self._runner = Runner(session, self.input_names, placement=placement) if session is not None else None
+        self._checked_names: Optional[Sequence[str]] = None  # run()'s output_names last found valid
         # On a device, batches live in device slots until run; the ready queue may hold two of them
         # whatever their size (the copy of the next overlaps the run of this one).
         self._on_device = self._runner is not None and self._runner.slots is not None
@@ -551,6 +552,9 @@ class Feed(Pump):
             runner.check_outputs(outputs)
         if with_batch is not False and with_batch is not True:
             raise TypeError(f"with_batch must be a bool, got {type(with_batch).__name__}")
+        if output_names is not None and output_names is not self._checked_names:
+            runner.check_output_names(output_names)
+            self._checked_names = output_names  # (the same list again: checked once)
         batch, start, t0 = self._next_prepared(None)
         arrays = batch.as_dict() if with_batch else None  # (the run may give its device slot back)
         tracer = self._trace.tracer

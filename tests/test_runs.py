@@ -143,3 +143,18 @@ def test_bad_arguments_are_refused_when_runs_is_called(coord):
     with coord:
         with pytest.raises(TypeError, match="with_batch"):
             feed.run(with_batch=1)
+
+
+def test_an_unknown_output_name_is_refused_before_a_batch_is_taken(coord):
+    # ONNX Runtime's RuntimeError came after the batch was popped: its rows were lost.
+    feeder.init_data_input_workers(session(), ["x"], Ids(40), 4, coordinator=coord, num_worker_threads=1)
+    with coord:
+        feed = coord.feed("train")
+        for names in (["nope"], ["s", "nope"]):
+            with pytest.raises(ValueError, match=r"output_names names \['nope'\], which the session does not "
+                                                 r"output; its outputs are \["):
+                feed.run(names)
+        with pytest.raises(TypeError, match="list of output names"):
+            feed.run("s")
+        seen = [r for (s,) in feed.runs(["s"]) for r in rows_of(s)]
+    assert sorted(seen) == list(range(40))

@@ -157,6 +157,18 @@ class Runner:
         through IOBinding); training adapters and string inputs return numpy only."""
         return not self._custom and self._use_binding
 
+    def check_output_names(self, names: Sequence[str]) -> None:
+        """ValueError for output names the session does not have (checked before a batch is
+        taken: ONNX Runtime's own error would come after, with the batch's rows gone)."""
+        if self._custom or not self._all_outputs:
+            return
+        if isinstance(names, str):
+            raise TypeError(f"output_names must be a list of output names, got the str {names!r}")
+        unknown = [n for n in names if n not in self._all_outputs]
+        if unknown:
+            raise ValueError(f"output_names names {unknown}, which the session does not output; its outputs "
+                             f"are {self._all_outputs}")
+
     def check_outputs(self, outputs: str) -> None:
         """ValueError for an ``outputs`` this runner cannot give."""
         if outputs not in OUTPUT_PLACES:
