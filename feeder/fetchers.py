@@ -19,7 +19,7 @@ import numpy as np
 from .chunkqueue import CLOSED, Chunk, ChunkQueue
 from .coalescing import COALESCE_FRACTION, COALESCE_HOLD_S, COALESCE_SLOW_CALL_S, Coalescer, burst, made
 from .errors import Failure, FeederError, FetchError, InputValidationError, exception_text
-from .pacing import AFTER_NONE, NoneReport, none_pause
+from .pacing import AFTER_NONE, EmptyReport, NoneReport, none_pause
 from .sources.base import SKIP
 from .trace import TraceHook
 from .tuning import Throttle
@@ -168,7 +168,8 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                stop: threading.Event, max_fetch_errors: int, coalesce: bool,
                throttle: Optional[Throttle] = None, turns: Optional[Turns] = None,
                pump: Optional[Callable[[Chunk], Optional[bool]]] = None,
-               nones: Optional[NoneReport] = None, allocate: Optional[Callable[..., np.ndarray]] = None,
+               nones: Optional[NoneReport] = None, empties: Optional[EmptyReport] = None,
+               allocate: Optional[Callable[..., np.ndarray]] = None,
                trace: Optional[TraceHook] = None) -> None:
     """Fetch, validate and enqueue chunks until stop, StopIteration, or a failure. With a
     ``throttle`` (``num_worker_threads="auto"``) the fetcher parks while it is not let run; with
@@ -177,6 +178,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     ``allocate`` makes the coalescing buffers (a device feed's staging memory); ``trace`` is where
     the feed's active trace is (each call that returned a chunk is a "fetch" span)."""
     nones = nones if nones is not None else NoneReport(source_name)
+    empties = empties if empties is not None else EmptyReport(source_name)
     pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
     co = _coalescer(state, source, validator, batch_size(), stop, pump, allocate, trace) if coalesce else None
@@ -275,8 +277,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 return
             if rows == 0:
                 state.empty_chunks += 1
-                log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
-                            source_name, wid)
+                empties.note(wid)
                 continue
             state.chunks += 1
             state.rows += rows
@@ -439,6 +440,7 @@ class ThreadFetchers:
         self._throttle = throttle
         self._batch_size = 0
         self.nones = NoneReport(source.name)  # fetch_fun returning None, logged for all of them
+        self.empties = EmptyReport(source.name)  # ... and chunks of 0 rows
 
     def start(self, batch_size: int, coalesce: bool) -> None:
         self._batch_size = batch_size
@@ -455,7 +457,7 @@ class ThreadFetchers:
                             validator=self._validator, state=state, batch_size=lambda: self._batch_size,
                             stop=self._stop, max_fetch_errors=self._max_fetch_errors, coalesce=coalesce,
                             throttle=self._throttle, turns=turns, pump=self._pump, nones=self.nones,
-                            allocate=self._allocate, trace=self._trace))
+                            empties=self.empties, allocate=self._allocate, trace=self._trace))
         for state in self.states:
             state.set("starting")
             assert state.thread is not None

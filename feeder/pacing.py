@@ -58,10 +58,26 @@ class NoneReport:
             self._pending, self._workers, self._since = 0, set(), now
             self._next = now + self.interval_s
         if first:
-            log.warning("source %r worker %d: fetch_fun returned None (nothing this time); skipped. The next calls "
-                        "wait %.0f ms, doubling up to %.0f ms, while it goes on returning None; this is logged at "
-                        "most every %.0f s", self.source_name, worker_id, NONE_PAUSE_FIRST_S * 1e3,
-                        NONE_PAUSE_MAX_S * 1e3, self.interval_s)
+            self._first(worker_id)
         else:
-            log.warning("source %r: fetch_fun returned None %d times in the last %.0f s (workers %s; %d in all); "
-                        "skipped", self.source_name, pending, now - since, workers, self.total)
+            log.warning("source %r: fetch_fun returned %s %d times in the last %.0f s (workers %s; %d in all); "
+                        "skipped", self.source_name, self.what, pending, now - since, workers, self.total)
+
+    what = "None"
+
+    def _first(self, worker_id: int) -> None:
+        log.warning("source %r worker %d: fetch_fun returned None (nothing this time); skipped. The next calls "
+                    "wait %.0f ms, doubling up to %.0f ms, while it goes on returning None; this is logged at "
+                    "most every %.0f s", self.source_name, worker_id, NONE_PAUSE_FIRST_S * 1e3,
+                    NONE_PAUSE_MAX_S * 1e3, self.interval_s)
+
+
+class EmptyReport(NoneReport):
+    """The warning for chunks of 0 rows, paced as :class:`NoneReport`'s (a fetch function that
+    returns nothing but empty chunks made one line per call: 100,000 lines a second)."""
+
+    what = "a chunk with 0 rows"
+
+    def _first(self, worker_id: int) -> None:
+        log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped (logged at most every "
+                    "%.0f s)", self.source_name, worker_id, self.interval_s)

@@ -77,6 +77,24 @@ def test_a_fetch_that_always_returns_none_is_called_a_bounded_number_of_times(co
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
 
 
+def empty(worker_id, batch_size):
+    return [np.zeros((0, 2), np.float32)]
+
+
+def test_a_fetch_that_returns_only_empty_chunks_is_logged_once_in_a_while(coord, mode, caplog):
+    # Before: one WARNING per call, about 100,000 lines a second from one fetcher.
+    feeder.init_data_input_workers(None, ["x"], empty, 4, coordinator=coord, timeout=1.0, **workers(mode, 2))
+    with caplog.at_level(logging.WARNING, logger="feeder"):
+        coord.start()
+        feed = coord.feed("train")
+        with pytest.raises(feeder.FeedTimeout):
+            feed.next_batch()
+        chunks = feed.metrics()["empty_chunks"]
+    lines = [r.getMessage() for r in caplog.records if "0 rows" in r.getMessage()]
+    assert chunks > 10 and 1 <= len(lines) <= 2, (chunks, lines)
+    assert "source 'train' worker" in lines[0] and "logged at most every" in lines[0]
+
+
 def test_none_between_chunks_costs_a_millisecond_not_the_longest_pause(coord, mode):
     # The pause starts afresh after every call that returned data: 200 chunks each after one None
     # take ~0.2 s of pauses; had it kept growing, 200 x 50 ms = 10 s.

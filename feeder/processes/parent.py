@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..chunkqueue import Chunk, ChunkQueue
 from ..fetchers import IN_FETCH, WorkerState
-from ..pacing import NoneReport
+from ..pacing import EmptyReport, NoneReport
 from ..trace import TraceHook
 from ..tuning import Throttle
 from ..validation import ChunkValidator
@@ -101,6 +101,7 @@ class ProcFetchers(Receivers):
         self._lock = threading.Lock()
         self._device: Optional[int] = None  # where children's segments must live (feeder.processes.shm.check_segment)
         self.nones = NoneReport(source.name)  # fetch_fun returning None, logged for all of them
+        self.empties = EmptyReport(source.name)  # ... and chunks of 0 rows
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, batch_size: int, coalesce: bool) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 from ..chunkqueue import Chunk, ChunkQueue
 from ..errors import Failure, FeederError, FetchError, InputValidationError, RemoteError, exception_text
 from ..fetchers import IN_FETCH, SLICE_S, WAITING_FOR_ROOM, WorkerState, put_chunk
-from ..pacing import NoneReport
+from ..pacing import EmptyReport, NoneReport
 from ..trace import TraceHook
 from ..tuning import Throttle
 from ..validation import ChunkValidator
@@ -125,6 +125,7 @@ class Receivers:
     # dropped at close).
     source: ChunkQueue
     nones: NoneReport
+    empties: EmptyReport
     _pump: Optional[Callable[[Chunk], Optional[bool]]]
     _register: Optional[Callable[[int, int], Optional[Callable[[], None]]]]
     _trace: Optional[TraceHook]
@@ -227,8 +228,7 @@ class Receivers:
             elif kind == "none":  # counted by the child (the figures came with the message), which pauses
                 self.nones.note(state.worker_id)
             elif kind == "empty":
-                log.warning("source %r worker %d: fetch_fun returned a chunk with 0 rows; skipped",
-                            source.name, state.worker_id)
+                self.empties.note(state.worker_id)
             elif kind == "skip":  # feeder.sources.base.SKIP: an ordered source's turn without rows
                 if source.ordered and not self._put(Chunk(state.worker_id, (), 0), state):
                     self._drain(w)
