@@ -419,6 +419,8 @@ def best(results: Sequence[Result]) -> Optional[Result]:
         ok = [r for r in results if r.kind == kind and r.error is None and r.rows > 0]
         if ok:
             return max(ok, key=lambda r: r.rows_per_s)
+        if any(r.kind == kind for r in results):
+            return None  # the model was measured and failed everywhere: no feeder-only line stands in for it
     return None
 
 
@@ -457,7 +459,8 @@ def format_table(results: Sequence[Result]) -> str:
         shown = f"{ratio:>7.2f}x" if ratio is not None else f"{'-':>8}"
         lines.append(f"{r.name:<36} {r.rows_per_s:>14,.0f} {shown}{note}")
     if b is None:
-        lines.append("best: none (every configuration failed)")
+        lines.append("best: none (the model failed in every configuration: see the errors above)"
+                     if any(r.kind == "end_to_end" for r in results) else "best: none (every configuration failed)")
         return "\n".join(lines)
     verdict = f"best: {b.name} ({b.rows_per_s:,.0f} rows/s"
     bound = next((r for r in results if r.kind == BOUND_OF[b.kind] and r.error is None and r.rows_per_s > 0), None)
@@ -503,6 +506,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             providers_for(args.provider)
         except (ValueError, TypeError) as e:
             parser.error(f"--provider {args.provider}: {e}")
+    if args.model is not None:
+        if not os.path.isfile(args.model):
+            parser.error(f"--model {args.model}: no such file")
+        try:
+            make_session(args.model, args.provider)
+        except Exception as e:  # not an ONNX model, or one onnxruntime cannot load
+            parser.error(f"--model {args.model}: onnxruntime cannot load it: {type(e).__name__}: {e}")
     counts = worker_counts(args.workers) if args.workers else None
     # Progress on stderr (a run takes seconds per configuration, a minute in all): whether stderr is a
     # terminal or a log file, stdout keeps only the table or the JSON.

@@ -141,6 +141,32 @@ def test_feeder_bench_json_and_usage(module_dir):
     assert usage.returncode == 2 and "bench" in usage.stderr
 
 
+FLOAT64_MODULE = textwrap.dedent("""
+    import numpy as np
+    def fetch(worker_id, batch_size):
+        return {"x": np.ones((7, 4), np.float64)}
+""")
+
+
+def test_a_model_that_fails_everywhere_or_cannot_load_is_an_error_not_a_verdict(module_dir):
+    # It printed "best: feeder, 1 thread" (a line without the model) and exited 0 when the model
+    # failed in every configuration, and a raw onnxruntime traceback for a model it could not load.
+    (module_dir / "bench_f64_mod.py").write_text(FLOAT64_MODULE)
+    (module_dir / "tiny.onnx").write_bytes(linear_model(in_dim=4, out_dim=3))  # float32 x: float64 chunks fail
+    out = subprocess.run([sys.executable, "-m", "feeder", "bench", "bench_f64_mod:fetch", "--model", "tiny.onnx",
+                          "--seconds", "0.2", "--workers", "1", "--quiet"], cwd=module_dir, capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == ("best: none (the model failed in every configuration: see the "
+                                                   "errors above)"), out.stdout
+    (module_dir / "junk.onnx").write_bytes(b"not a model")
+    for model, says in (("missing.onnx", "no such file"), ("junk.onnx", "onnxruntime cannot load it")):
+        out = subprocess.run([sys.executable, "-m", "feeder", "bench", "bench_fetch_mod:fetch", "--model", model],
+                             cwd=module_dir, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"--model {model}: {says}" in out.stderr and "Traceback" not in out.stderr, \
+            out.stderr
+
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
