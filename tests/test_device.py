@@ -91,9 +91,9 @@ def test_device_strings_are_parsed_and_refused_clearly():
     assert parse_device("cpu") == Placement()
     assert parse_device("CUDA:1") == Placement("cuda", 1)
     assert parse_device(STAGED).on_device and not parse_device("cpu").on_device
-    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'cuda:N'"):
+    with pytest.raises(ValueError, match=r"'cpu', 'cpu:staged' \(the device path on the CPU\), 'cuda' or 'cuda:N'"):
         parse_device("gpu")
-    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'cuda:N'"):
+    with pytest.raises(ValueError, match=r"'cpu', 'cpu:staged' \(the device path on the CPU\), 'cuda' or 'cuda:N'"):
         parse_device("cuda:x")
     with pytest.raises(TypeError, match="device must be"):
         parse_device(0)

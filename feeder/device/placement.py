@@ -51,7 +51,7 @@ def parse_device(device: Any) -> Optional[Placement]:
     if isinstance(device, Placement):
         return device
     if not isinstance(device, str):
-        raise TypeError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {type(device).__name__}")
+        raise TypeError(f"device must be None, 'cpu', 'cpu:staged', 'cuda' or 'cuda:N', got {type(device).__name__}")
     text = device.strip().lower()
     if text == "cpu":
         return CPU
@@ -60,7 +60,8 @@ def parse_device(device: Any) -> Optional[Placement]:
     kind, sep, index = text.partition(":")
     if kind == "cuda" and (not sep or index.isdigit()):
         return Placement("cuda", int(index) if sep else 0)
-    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N a device id), got {device!r}")
+    raise ValueError(f"device must be 'cpu', 'cpu:staged' (the device path on the CPU), 'cuda' or 'cuda:N' (N a "
+                     f"device id), got {device!r}")
 
 
 def available_providers() -> List[str]:
