@@ -918,6 +918,22 @@ def test_a_function_defined_in_python_c_runs_in_processes():
     assert proc.returncode == 0 and "seen [0, 1]" in out, err[-3000:]
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_read_from_stdin_runs_in_processes(method, tmp_path):
+    # `python - < script.py`: every child died at start, multiprocessing having it run "<stdin>" as
+    # the main script ("No such file or directory: '.../<stdin>'").
+    script = PRELUDE + textwrap.dedent(f"""
+        coord = feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.full(4, w, np.int64)], 4,
+                                               num_worker_processes=1, mp_context={method!r},
+                                               coordinator=feeder.GlobalCoordinator())
+        with coord:
+            print("got", coord.feed("train").next_batch(timeout=30)["x"].tolist(), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0 and "got [0, 0, 0, 0]" in done.stdout, done.stderr[-3000:]
+
+
 def test_lambdas_and_closures_run_in_processes(coord):
     offset = 1000
     register(coord, lambda w, b: [np.full(4, w + offset, np.int64)], 4, worker_init_fun=lambda w: None)

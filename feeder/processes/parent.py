@@ -42,7 +42,7 @@ from .shm import (
     map_fd,  # noqa: F401
     memory_device,
 )
-from .starting import ProcessOptions, _ChildName, _ctrl_c_held
+from .starting import ProcessOptions, _ChildName, _ctrl_c_held, phantom_main_file_hidden
 
 log = logging.getLogger("feeder")
 
@@ -142,7 +142,8 @@ class ProcFetchers(Receivers):
                   (read_end, inherited, death_ppid)))
         w.state.set("starting")
         try:
-            proc.start()
+            with phantom_main_file_hidden():
+                proc.start()
         except Exception as e:
             raise TypeError(f"source {name!r}, worker {wid}: could not start a worker process "
                             f"({type(e).__name__}: {e})") from e

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import operator
+import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
@@ -109,3 +111,22 @@ def _ctrl_c_held(block: bool) -> Iterator[None]:
                 handler(*got[0])  # Python's default raises KeyboardInterrupt here
             elif got and handler == signal.SIG_DFL:
                 signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def phantom_main_file_hidden() -> Iterator[None]:
+    """For the duration, a main module whose ``__file__`` names no file (a script read from stdin,
+    ``python - < script.py``: ``"<stdin>"``) has none: multiprocessing would otherwise have each
+    "spawn" or "forkserver" child run that path as the main script, and every child died at start
+    ("No such file or directory: '/cwd/<stdin>'"). Without it the child imports no main script,
+    as for ``python -c``; fetch_fun travels by value (cloudpickle) either way."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
