@@ -177,8 +177,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
     After a call that returned None it pauses (``none_pause``) and reports it to ``nones``.
     ``allocate`` makes the coalescing buffers (a device feed's staging memory); ``trace`` is where
     the feed's active trace is (each call that returned a chunk is a "fetch" span)."""
-    nones = nones if nones is not None else NoneReport(source_name)
-    empties = empties if empties is not None else EmptyReport(source_name)
+    nones, empties = nones or NoneReport(source_name), empties or EmptyReport(source_name)
     pause = 0.0  # the last pause after a None; 0.0 once a call returned something else
     wid = state.worker_id
     co = _coalescer(state, source, validator, batch_size(), stop, pump, allocate, trace) if coalesce else None
