@@ -767,6 +767,9 @@ def test_a_memory_mapped_array_a_fetch_function_holds_travels_as_its_file(coord,
     mm = np.memmap(path, dtype=np.float32, mode=mode, shape=((64 << 20) // 16, 4))
 
     def fetch(worker_id, batch_size):
+        if mode == "r+":  # the worker's mapping is writable as the user's is, and writes reach the file
+            mm[-1] = worker_id + 5.0
+            mm.flush()  # (still an np.memmap there)
         return [np.array(mm[:batch_size])]
 
     assert len(dumps(fetch)) < 64 << 10  # the file's name and offsets, not 64 MiB
@@ -782,6 +785,8 @@ def test_a_memory_mapped_array_a_fetch_function_holds_travels_as_its_file(coord,
             break
     else:
         raise AssertionError("the worker process never saw the file change: it holds a copy")
+    if mode == "r+":
+        assert np.fromfile(path, np.float32, count=4, offset=(64 << 20) - 16).tolist() == [5.0] * 4
 
 
 def check_id_rows(batch) -> np.ndarray:

@@ -61,10 +61,12 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
             # A memory-mapped array (or a view of one) that the function holds travels as its file
             # and offsets, as an ArraySource's does, never as the bytes it maps (a 10 GB file would
             # be read whole and copied into every worker process).
-            if isinstance(obj, np.ndarray):
+            # Only plain arrays and memmaps: a subclass (a masked array, a recarray) pickles as it
+            # always did, with what it adds (a mask) kept.
+            if type(obj) is np.ndarray or type(obj) is np.memmap:
                 region = file_region(obj, keep_mode=True)
                 if region is not None:
-                    return _open_region, (region,)
+                    return _open_region, (region, type(obj) is np.memmap)
             return super().reducer_override(obj)
 
     buf = io.BytesIO()
@@ -72,8 +74,12 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
     return buf.getvalue()
 
 
-def _open_region(region: FileRegion) -> np.ndarray:
-    """A memory-mapped array sent by :func:`dumps`, mapped again from its file."""
+def _open_region(region: FileRegion, as_memmap: bool = False) -> np.ndarray:
+    """A memory-mapped array sent by :func:`dumps`, mapped again from its file (an ``np.memmap``
+    again where it was one and its elements are contiguous, so that ``flush()`` works)."""
+    if as_memmap and region.contiguous():
+        return np.memmap(region.filename, dtype=region.dtype, mode="r+" if region.writable else "r",
+                         offset=region.offset, shape=region.shape)
     return region.open()
 
 

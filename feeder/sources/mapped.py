@@ -28,6 +28,15 @@ class FileRegion:
     strides: Tuple[int, ...]
     writable: bool = False  # mapped "r+" (writes reach the file, as in the process it came from)
 
+    def contiguous(self) -> bool:
+        """The elements lie one after the other in C order (an ``np.memmap`` can map them as they are)."""
+        expected = np.dtype(self.dtype).itemsize
+        for n, st in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and st != expected:
+                return False
+            expected *= n
+        return True
+
     def open(self) -> np.ndarray:
         """The array, mapped from the file (only the span it covers): read-only unless ``writable``."""
         dt = np.dtype(self.dtype)
