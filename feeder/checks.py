@@ -215,7 +215,7 @@ def arrays_of(session: Any, input_names: Optional[Sequence[str]], fetch_fun: Any
     kept = _kept_names(keep, names, session_specs, masks.values())
     # Kept arrays follow the inputs in every chunk (so padding's and the row keys' places are
     # unchanged), on batch axis 0, any dtype: never bound (feeder.runtime.Runner: "unfed").
-    return Arrays(names + kept, specs + [InputSpec(k) for k in kept], axes + [0] * len(kept), kept, masks,
+    return Arrays(names + kept, specs + [InputSpec(k, kept=True) for k in kept], axes + [0] * len(kept), kept, masks,
                   mask_specs, padding)
 
 

@@ -96,6 +96,24 @@ def test_a_none_among_strings_is_a_null_once_the_input_is_known_to_be_strings(co
             assert feed.next_batch()["s"].tolist() == ["a", "b"]
 
 
+class PathsWithNone:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, worker_id, batch_size):
+        self.calls += 1
+        if self.calls > 2:
+            raise StopIteration
+        return [np.ones((2, 1), np.float32), np.array(["a", "b"] if self.calls == 1 else ["c", None], dtype=object)]
+
+
+def test_a_kept_array_may_hold_none_it_is_never_bound(coord):
+    feeder.init_data_input_workers(None, ["x"], PathsWithNone(), 2, coordinator=coord, timeout=10,
+                                   num_worker_threads=1, keep=["path"])
+    with coord:
+        assert [b["path"].tolist() for b in coord.feed("train")] == [["a", "b"], ["c", None]]
+
+
 def test_mismatched_row_counts(coord, mode):
     msg = failing_source(coord, [GOOD_A, np.zeros((5, 1), np.int64)], mode=mode)
     assert "input 'k'" in msg and "3 rows" in msg and "5 rows" in msg
