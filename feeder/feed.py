@@ -151,7 +151,7 @@ class Feed(Pump):
         self._specs = list(specs)
         self._validate = validator  # the source's, shared by its replicas
         self._runner = Runner(session, self.input_names, placement=placement) if session is not None else None
-        self._checked_names: Optional[Sequence[str]] = None  # run()'s output_names last found valid
+        self._checked_names: Optional[Tuple[str, ...]] = None  # run()'s output_names last found valid
         # On a device, batches live in device slots until run; the ready queue may hold two of them
         # whatever their size (the copy of the next overlaps the run of this one).
         self._on_device = self._runner is not None and self._runner.slots is not None
@@ -541,8 +541,9 @@ class Feed(Pump):
             FetchError: A fetch failed; ``InputValidationError``, ``FeedStopped`` as for
                 :meth:`next_batch`.
             ValueError: ``outputs`` is neither "host" nor "device", or "device" for a session
-                whose outputs come back as numpy only (a training adapter, string inputs).
-            TypeError: ``with_batch`` is not a bool.
+                whose outputs come back as numpy only (a training adapter, string inputs); or
+                ``output_names`` names an output the session does not have (no batch is taken).
+            TypeError: ``with_batch`` is not a bool, or ``output_names`` is a str.
         """
         runner = self._runner
         if runner is None:
@@ -552,9 +553,15 @@ class Feed(Pump):
             runner.check_outputs(outputs)
         if with_batch is not False and with_batch is not True:
             raise TypeError(f"with_batch must be a bool, got {type(with_batch).__name__}")
-        if output_names is not None and output_names is not self._checked_names:
-            runner.check_output_names(output_names)
-            self._checked_names = output_names  # (the same list again: checked once)
+        if output_names is not None:
+            if isinstance(output_names, str):
+                raise TypeError(f"output_names must be a list of output names, got the str {output_names!r}")
+            if not isinstance(output_names, (list, tuple)):
+                output_names = list(output_names)  # (any iterable, read once)
+            names = tuple(output_names)
+            if names != self._checked_names:  # (by value: a list changed in place is checked again)
+                runner.check_output_names(output_names)
+                self._checked_names = names
         batch, start, t0 = self._next_prepared(None)
         arrays = batch.as_dict() if with_batch else None  # (the run may give its device slot back)
         tracer = self._trace.tracer

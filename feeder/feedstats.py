@@ -82,11 +82,15 @@ class FeedStats:
         waiting_on = self.feed.source.waiting_on()
         if waiting_on is not None and self.feed.source.qsize():
             # A None takes no turn (the batches stay the same whatever the timing), so a worker that
-            # keeps returning None holds up the others' queued chunks: say whose turn it is.
-            lines.append(f"  ordered=True: the round-robin waits for worker {waiting_on}'s next chunk (its turn), "
-                         f"with the other workers' chunks queued behind it; a None takes no turn: a worker with "
-                         f"nothing more raises StopIteration, and one with nothing this time on purpose returns "
+            # keeps returning None holds up the others' queued chunks: say whose turn it is, and
+            # what to return instead only to a worker that did return None (a slow one just is slow).
+            line = (f"  ordered=True: the round-robin waits for worker {waiting_on}'s next chunk (its turn), with "
+                    f"the other workers' chunks queued behind it")
+            if any(w.worker_id == waiting_on and w.none_chunks for w in self.feed._workers):
+                line += (f"; worker {waiting_on} returned None, which takes no turn: a worker with nothing more "
+                         f"raises StopIteration, and one with nothing this time on purpose returns "
                          f"feeder.sources.SKIP, which passes its turn")
+            lines.append(line)
         what = describe_source(self.feed._fetch_fun)
         if what:
             lines.append(f"  fetch_fun: {what}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -194,6 +195,25 @@ def test_ordered_a_worker_returning_skip_passes_its_turn(coord, mode):
     coord.start()
     feed = coord.feed("train")
     assert [feed.next_batch(timeout=10)["x"].ravel().tolist() for _ in range(20)] == [[0, 0]] * 20
+
+
+class SlowWorker1:
+    def __call__(self, wid, batch_size):
+        if wid == 1:
+            time.sleep(2.0)
+        return [np.full((2, 1), wid, np.float32)]
+
+
+def test_ordered_a_slow_worker_is_named_without_advice_meant_for_none(coord):
+    feeder.init_data_input_workers(None, ["x"], SlowWorker1(), 2, coordinator=coord, ordered=True,
+                                   max_buffered_batches=8, num_worker_threads=2)
+    coord.start()
+    feed = coord.feed("train")
+    with pytest.raises(feeder.FeedTimeout) as info:
+        for _ in range(20):
+            feed.next_batch(timeout=0.5)
+    msg = str(info.value)
+    assert "the round-robin waits for worker 1's next chunk" in msg and "SKIP" not in msg, msg
 
 
 def test_ordered_replicas_must_agree(coord):

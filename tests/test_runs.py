@@ -156,5 +156,10 @@ def test_an_unknown_output_name_is_refused_before_a_batch_is_taken(coord):
                 feed.run(names)
         with pytest.raises(TypeError, match="list of output names"):
             feed.run("s")
-        seen = [r for (s,) in feed.runs(["s"]) for r in rows_of(s)]
+        names = ["s"]
+        (first,) = feed.run(names)
+        names.append("nope")  # the same list, changed: checked again
+        with pytest.raises(ValueError, match=r"\['nope'\]"):
+            feed.run(names)
+        seen = rows_of(first) + [r for (s,) in feed.runs(["s"]) for r in rows_of(s)]
     assert sorted(seen) == list(range(40))
