@@ -60,7 +60,7 @@ class ArraySource(ShardedSource):
             if bad:  # (1 would have become the input "1")
                 raise TypeError(f"arrays must be a dict of input name (str) -> array; {bad[0]!r} is a "
                                 f"{type(bad[0]).__name__}")
-            self.names: Optional[List[str]] = list(arrays)
+            self.names: Optional[List[str]] = [str(k) for k in arrays]  # (np.str_ too)
             items = list(arrays.values())
         elif isinstance(arrays, (list, tuple)):
             self.names = None
@@ -79,9 +79,10 @@ class ArraySource(ShardedSource):
             if isinstance(a, np.ma.MaskedArray):
                 # A masked value is numpy's null: refused as a null in any source's column is; an
                 # array with nothing masked feeds its values.
-                masked = int(np.ma.getmaskarray(a).sum())
+                mask = np.ma.getmask(a)  # (nomask when nothing is masked: no array of flags is made)
+                masked = int(mask.sum()) if mask is not np.ma.nomask else 0
                 if masked:
-                    first = int(np.argwhere(np.ma.getmaskarray(a))[0][0])
+                    first = int(np.argwhere(mask)[0][0])
                     raise InputValidationError(f"ArraySource: array {self._label(i)} is a masked array with {masked} "
                                                f"masked value(s) (nulls), the first in row {first}: fill them "
                                                f"(a.filled(value)) or leave those rows out")
@@ -191,7 +192,7 @@ class ArraySource(ShardedSource):
         if len(rows) == n and (n < 2 or (rows[0] == 0 and bool((np.diff(rows) == 1).all()))):
             # in order: a slice, which for a memory-mapped array reads just these rows, once. It is
             # a view of the user's own array, which later epochs read again: read-only, so that
-            # nothing downstream writes into it (the feed copies it into a batch of its own).
+            # nothing downstream writes into it (a batch inside one block is handed on as this view).
             return [_read_only(np.asarray(a[start:start + n])) for a in self.arrays]
         lo = int(rows.min())
         hi = int(rows.max()) + 1

@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InputValidationError
+from ..errors import InputValidationError, exception_text
 from .base import ROW_KEY, SKIP, FilteredSink, SourceBinding
 from .functionid import function_digest
 from .state import STEP_KEYS, definition_differences
@@ -461,12 +461,13 @@ class TransformedSource(Transformable):
                     keys = keys[mask]
                 n = kept
         except ValueError as e:
-            if fn is not None and not isinstance(e, InputValidationError) and "read-only" in str(e):
+            if fn is not None and not isinstance(e, InputValidationError) and "read-only" in exception_text(e):
                 raise InputValidationError(
                     f"{function_name(fn)}, a step of {type(self.source).__name__}.{self._steps_text()}, wrote into a "
-                    f"column it was given ({e}): the columns map and filter functions get are read-only, so that a "
-                    f"function never changes the source's data (an ArraySource's arrays, which later epochs read "
-                    f"again). Make a new array (d['x'] = d['x'] + 1) or write into a copy (x = d['x'].copy())") from e
+                    f"column it was given ({exception_text(e)}): the columns map and filter functions get are "
+                    f"read-only, so that a function never changes the source's data (an ArraySource's arrays, "
+                    f"which later epochs read again). Make a new array (d['x'] = d['x'] + 1) or write into a copy "
+                    f"(x = d['x'].copy())") from e
             self._note(e, fn, worker_id)
             raise
         except Exception as e:
