@@ -356,15 +356,17 @@ def worker_counts(cpus: Optional[int] = None) -> List[int]:
 
 def run_bench(fetch: FetchFun, *, model: Optional[str] = None, batch_size: int = 64, seconds: float = 3.0,
               workers: Optional[Sequence[int]] = None, processes: Optional[bool] = None,
-              progress: Optional[Callable[[str], None]] = None, provider: Optional[str] = None) -> List[Result]:
+              progress: Optional[Callable[[str], None]] = None, provider: Optional[str] = None,
+              session: Any = None) -> List[Result]:
     """Every configuration in turn (see the module docstring); returns one Result per line.
     ``provider``: where the model runs ("cpu", "cuda", "cuda:N"; None: the GPU where installed).
     ``progress(line)`` is called before each configuration (``"[3/11] feeder, 2 threads ..."``)
-    and after it (its rate, or its error)."""
+    and after it (its rate, or its error). ``session``: ``model``'s, already made (else made here)."""
     counts = list(workers) if workers is not None else worker_counts()
     processes = supports_processes() if processes is None else processes
     say = progress or (lambda msg: None)
-    session = make_session(model, provider) if model else None
+    if session is None and model:
+        session = make_session(model, provider)
     model_names = [i.name for i in session.get_inputs()] if session is not None else None
     configs = [(n, False) for n in counts] + ([(n, True) for n in counts] if processes else [])
     total = 1 + len(configs) + ((1 + len(configs)) if session is not None else 0)
@@ -506,11 +508,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             providers_for(args.provider)
         except (ValueError, TypeError) as e:
             parser.error(f"--provider {args.provider}: {e}")
+    session = None
     if args.model is not None:
         if not os.path.isfile(args.model):
             parser.error(f"--model {args.model}: no such file")
         try:
-            make_session(args.model, args.provider)
+            session = make_session(args.model, args.provider)
         except Exception as e:  # not an ONNX model, or one onnxruntime cannot load
             parser.error(f"--model {args.model}: onnxruntime cannot load it: {type(e).__name__}: {e}")
     counts = worker_counts(args.workers) if args.workers else None
@@ -519,7 +522,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_bench(fetch, model=args.model, batch_size=args.batch_size, seconds=args.seconds, workers=counts,
                         progress=None if args.quiet else (lambda line: print(f"feeder bench {line}", file=sys.stderr,
                                                                              flush=True)),
-                        provider=args.provider)
+                        provider=args.provider, session=session)
     print(to_json(results) if args.json else format_table(results))
     if not supports_processes():
         print("(worker processes: not available in this feeder version)", file=sys.stderr)
