@@ -40,7 +40,7 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from ..sources.mapped import FileRegion, file_region
+from ..sources.mapped import file_region
 
 
 def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> bytes:
@@ -66,21 +66,12 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
             if type(obj) is np.ndarray or type(obj) is np.memmap:
                 region = file_region(obj, keep_mode=True)
                 if region is not None:
-                    return _open_region, (region, type(obj) is np.memmap)
+                    return region.open, (type(obj) is np.memmap,)
             return super().reducer_override(obj)
 
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback).dump(obj)
     return buf.getvalue()
-
-
-def _open_region(region: FileRegion, as_memmap: bool = False) -> np.ndarray:
-    """A memory-mapped array sent by :func:`dumps`, mapped again from its file (an ``np.memmap``
-    again where it was one and its elements are contiguous, so that ``flush()`` works)."""
-    if as_memmap and region.contiguous():
-        return np.memmap(region.filename, dtype=region.dtype, mode="r+" if region.writable else "r",
-                         offset=region.offset, shape=region.shape)
-    return region.open()
 
 
 def _code(code: types.CodeType) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Literal, Optional, Tuple
 
 import numpy as np
 
@@ -37,13 +37,17 @@ class FileRegion:
             expected *= n
         return True
 
-    def open(self) -> np.ndarray:
-        """The array, mapped from the file (only the span it covers): read-only unless ``writable``."""
+    def open(self, as_memmap: bool = False) -> np.ndarray:
+        """The array, mapped from the file (only the span it covers): read-only unless ``writable``;
+        with ``as_memmap``, an ``np.memmap`` where its elements are contiguous (``flush()`` works)."""
         dt = np.dtype(self.dtype)
+        mode: Literal["r+", "r"] = "r+" if self.writable else "r"
+        if as_memmap and self.contiguous():
+            mapped: np.ndarray = np.memmap(self.filename, dtype=dt, mode=mode, offset=self.offset, shape=self.shape)
+            return mapped
         low = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s < 0)
         high = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s > 0) + dt.itemsize
-        span = np.memmap(self.filename, dtype=np.uint8, mode="r+" if self.writable else "r",
-                         offset=self.offset + low, shape=(high - low,))
+        span = np.memmap(self.filename, dtype=np.uint8, mode=mode, offset=self.offset + low, shape=(high - low,))
         out: np.ndarray = np.ndarray(self.shape, dtype=dt, buffer=span, offset=-low, strides=self.strides)
         return out
 
