@@ -162,8 +162,6 @@ class Runner:
         taken: ONNX Runtime's own error would come after, with the batch's rows gone)."""
         if self._custom or not self._all_outputs:
             return
-        if isinstance(names, str):
-            raise TypeError(f"output_names must be a list of output names, got the str {names!r}")
         unknown = [n for n in names if n not in self._all_outputs]
         if unknown:
             raise ValueError(f"output_names names {unknown}, which the session does not output; its outputs "
