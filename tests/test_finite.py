@@ -172,14 +172,19 @@ class NoneOrSkipFromWorker1:
         return [np.full((2, 1), wid, np.float32)]
 
 
+def start_ordered_pair(coord, fetch, mode):
+    """An ordered feed of 2 workers (threads or processes), batches of 2 rows, 8 chunks queued at most; started."""
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, coordinator=coord, ordered=True, max_buffered_batches=8,
+                                   **workers(mode, 2))
+    coord.start()
+    return coord.feed("train")
+
+
 @pytest.mark.parametrize("mode", ["threads", "processes"])
 def test_ordered_a_worker_that_only_returns_none_holds_the_round_robin_and_the_timeout_says_whose_turn(coord, mode):
     # A None takes no turn (the batches must not depend on when it came), so the others' chunks wait
     # behind worker 1. That is a FeedTimeout naming worker 1's turn and what to return instead.
-    feeder.init_data_input_workers(None, ["x"], NoneOrSkipFromWorker1(None), 2, coordinator=coord, ordered=True,
-                                   max_buffered_batches=8, **workers(mode, 2))
-    coord.start()
-    feed = coord.feed("train")
+    feed = start_ordered_pair(coord, NoneOrSkipFromWorker1(None), mode)
     with pytest.raises(feeder.FeedTimeout, match=r"ordered=True: the round-robin waits for worker 1's next chunk "
                                                  r"\(its turn\).*feeder\.sources\.SKIP"):
         for _ in range(20):
@@ -190,10 +195,7 @@ def test_ordered_a_worker_that_only_returns_none_holds_the_round_robin_and_the_t
 def test_ordered_a_worker_returning_skip_passes_its_turn(coord, mode):
     from feeder.sources import SKIP
 
-    feeder.init_data_input_workers(None, ["x"], NoneOrSkipFromWorker1(SKIP), 2, coordinator=coord, ordered=True,
-                                   max_buffered_batches=8, **workers(mode, 2))
-    coord.start()
-    feed = coord.feed("train")
+    feed = start_ordered_pair(coord, NoneOrSkipFromWorker1(SKIP), mode)
     assert [feed.next_batch(timeout=10)["x"].ravel().tolist() for _ in range(20)] == [[0, 0]] * 20
 
 
@@ -205,10 +207,7 @@ class SlowWorker1:
 
 
 def test_ordered_a_slow_worker_is_named_without_advice_meant_for_none(coord):
-    feeder.init_data_input_workers(None, ["x"], SlowWorker1(), 2, coordinator=coord, ordered=True,
-                                   max_buffered_batches=8, num_worker_threads=2)
-    coord.start()
-    feed = coord.feed("train")
+    feed = start_ordered_pair(coord, SlowWorker1(), "threads")
     with pytest.raises(feeder.FeedTimeout) as info:
         for _ in range(20):
             feed.next_batch(timeout=0.5)
