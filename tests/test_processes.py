@@ -789,6 +789,25 @@ def test_a_memory_mapped_array_a_fetch_function_holds_travels_as_its_file(coord,
         assert np.fromfile(path, np.float32, count=4, offset=(64 << 20) - 16).tolist() == [5.0] * 4
 
 
+def test_a_big_array_a_fetch_function_holds_lies_in_memory_numpy_allocated_in_the_worker(coord):
+    # It lay in the bytes unpickling made (small pages, no huge-page advice): two worker processes
+    # cutting 3 MB chunks from a 50 MB array fed 6-8% fewer rows per second than from numpy's memory.
+    big = np.arange(3 << 20, dtype=np.float32).reshape(-1, 3)  # 12 MiB
+    frozen = np.arange(2 << 20, dtype=np.int64)                 # 16 MiB, read-only
+    frozen.flags.writeable = False
+    small = np.arange(10.0)
+
+    def fetch(worker_id, batch_size):
+        seen = [big.flags.owndata, big.flags.writeable, frozen.flags.owndata, frozen.flags.writeable,
+                float(big[-1, -1]), float(frozen[12345]), float(small[3]), big.shape[0], big.base is None]
+        return [np.array([seen], dtype=np.float64).repeat(batch_size, axis=0)]
+
+    feeder.init_data_input_workers(None, ["x"], fetch, 2, coordinator=coord, timeout=30, num_worker_processes=1)
+    coord.start()
+    row = coord.feed("train").next_batch()["x"][0].tolist()
+    assert row == [1, 1, 1, 0, float(big[-1, -1]), 12345.0, 3.0, 1 << 20, 1]
+
+
 def check_id_rows(batch) -> np.ndarray:
     assert (batch["x"] == batch["id"][:, None]).all()
     return batch["id"].copy()
