@@ -68,7 +68,8 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
                 if region is not None:
                     return region.open, (type(obj) is np.memmap,)
                 if _owned_in_child(obj):
-                    return _owned_array, (pickle.PickleBuffer(obj), obj.dtype, obj.shape, obj.flags.writeable)
+                    buf = pickle.PickleBuffer(obj)  # type: ignore[arg-type]  # (numpy's stubs: not a Buffer)
+                    return _owned_array, (buf, obj.dtype, obj.shape, obj.flags.writeable)
             return super().reducer_override(obj)
 
     buf = io.BytesIO()
