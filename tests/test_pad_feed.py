@@ -485,6 +485,43 @@ def test_a_shuffle_window_mixes_ragged_rows_of_a_parquet_list_column(coord, tmp_
     assert max(groups) > 1  # batches mix row groups
 
 
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_ordered_resume_of_a_window_of_ragged_rows_gives_the_uninterrupted_runs_batches(tmp_path, mode):
+    # The replayed windows read their rows again: a padded input's as rows of different lengths
+    # (a Ragged), or as a plain array where a row group's rows happen to agree.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from feeder.sources import ParquetSource
+
+    n = 420
+    lengths = [3 if (k // 30) % 2 == 0 else k % 7 for k in range(n)]
+    rows = [[k * 100 + 1 + j for j in range(length)] for k, length in enumerate(lengths)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.int64())), "id": np.arange(n)}),
+                   str(tmp_path / "t.parquet"), row_group_size=30)
+
+    def batches(take=None, resume=None):
+        coord = feeder.GlobalCoordinator(join_timeout=3.0)
+        src = ParquetSource(str(tmp_path / "t.parquet"), shuffle=True, seed=2, shuffle_window=150)
+        feeder.init_data_input_workers(None, ["tokens", "id"], src, 16, coordinator=coord, pad={"tokens": -1},
+                                       ordered=True, resume_from=resume, **workers(mode, 2))
+        got = []
+        with coord:
+            feed = coord.feed("train")
+            for b in feed:
+                got.append({k: v.tolist() for k, v in b.items()})
+                if len(got) == take:
+                    break
+            return got, coord.state_dict("train")
+
+    whole, _ = batches()
+    assert sorted(k for b in whole for k in b["id"]) == list(range(n))
+    for take in (3, 11):
+        before, state = batches(take)
+        after, _ = batches(resume=state)
+        assert before + after == whole, take
+
+
 def test_the_window_holds_rows_of_different_shapes_row_by_row():
     from feeder.sources.window import ShuffleWindow
 

@@ -124,6 +124,22 @@ def test_ordered_resume_gives_the_same_batches_as_an_uninterrupted_run(files):
     assert [b["name"].tolist() for b in before + after] == [b["name"].tolist() for b in full]
 
 
+@pytest.mark.parametrize("processes", [0, 3])
+def test_ordered_resume_with_a_shuffle_window_gives_the_same_batches_as_an_uninterrupted_run(files, processes):
+    # The windows started empty on resume: every row came once, but not in the uninterrupted run's
+    # batches. Now each worker's window is replayed to the checkpoint and its rows read again.
+    def make():
+        return ParquetSource(files, shuffle=True, seed=9, epochs=2, shuffle_window=60)
+
+    full, _ = consume(make(), ordered=True, batch_size=12)
+    assert sorted(np.concatenate([b["id"] for b in full]).tolist()) == sorted(list(range(175)) * 2)
+    for take in ([1, 4, 17, 28] if not processes else [9]):
+        before, state = consume(make(), ordered=True, batch_size=12, take=take, processes=processes)
+        after, _ = consume(make(), ordered=True, batch_size=12, resume=state, processes=processes)
+        for name in INPUTS:
+            assert [b[name].tolist() for b in before + after] == [b[name].tolist() for b in full], (take, name)
+
+
 def test_a_state_from_other_files_or_columns_is_refused(files, tmp_path):
     _, state = consume(ParquetSource(files), inputs=["id"], take=2)
     coord = feeder.GlobalCoordinator()

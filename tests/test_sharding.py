@@ -344,6 +344,39 @@ def test_the_window_state_is_exact_and_resume_delivers_every_row_once(mode):
     assert end["rows_delivered"] == 6000
 
 
+@pytest.mark.parametrize("procs", [0, 3])
+def test_ordered_with_a_window_resumes_with_exactly_the_batches_of_the_uninterrupted_run(procs):
+    # The windows started empty on resume: every row came once, but in other batches than the
+    # uninterrupted run's (the contract: "exactly the batches ... in the same order").
+    def make():  # units of 100 rows and 70 (a short last unit), 2 epochs, 3 workers' windows
+        return ArraySource({"x": np.arange(2970)}, shuffle=True, seed=4, epochs=2, block_rows=100,
+                           shuffle_window=600)
+
+    whole = run(make(), workers=3, ordered=True, batch_size=16)[2]
+    assert sum(map(len, whole)) == 5940
+    # cuts: within the first round of turns, straddling turns, across the epoch, near the end
+    for take in ([1, 5, 13, 190, 300] if not procs else [7, 200]):
+        before, state, got = run(make(), take=take, workers=3, ordered=True, batch_size=16, procs=procs)
+        assert [b.tolist() for b in got] == [b.tolist() for b in whole[:take]]
+        _, end, after = run(make(), resume=state, workers=3, ordered=True, batch_size=16, procs=procs)
+        assert [b.tolist() for b in after] == [b.tolist() for b in whole[take:]], take
+        assert end["rows_delivered"] == 5940
+
+
+def test_a_window_resumed_from_a_state_of_another_stream_still_delivers_every_row_once(caplog):
+    # An unordered run's state (or one of another worker count) is no prefix of the ordered
+    # stream: the windows start empty, as before, and every row still comes once.
+    def make():
+        return ArraySource({"x": np.arange(3000)}, shuffle=True, seed=1, block_rows=100, shuffle_window=400)
+
+    for kw in (dict(ordered=False, workers=2), dict(ordered=True, workers=2)):
+        before, state, _ = run(make(), take=40, batch_size=16, **kw)
+        with caplog.at_level("INFO", logger="feeder"):
+            after, _, _ = run(make(), resume=state, batch_size=16, ordered=True, workers=3)
+        assert Counter(before + after) == Counter(range(3000))
+    assert "the shuffle windows start empty" in caplog.text
+
+
 def test_the_window_is_reproducible_with_ordered_and_its_memory_is_bounded():
     def make():
         return ArraySource({"x": np.arange(2000)}, shuffle=True, seed=5, block_rows=50, shuffle_window=300)

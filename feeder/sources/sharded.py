@@ -8,16 +8,21 @@ and ``filter`` come from :class:`~feeder.sources.transform.Transformable`.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from .base import SourceBinding
+from ..ragged import Ragged
+from .base import SKIP, SourceBinding
 from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share
 from .state import check_state, ranges_of
 from .transform import Transformable
 from .window import ShuffleWindow
+from .windowreplay import WorkerStart, replay
+
+log = logging.getLogger("feeder")
 
 
 class ShardedSource(Transformable):
@@ -89,6 +94,9 @@ class ShardedSource(Transformable):
         self._basis_filtered = 0  # ... and how many of its rows were filtered (map/filter), not delivered
         self._walk: Optional[PieceWalk] = None
         self._windows: Dict[int, ShuffleWindow] = {}  # worker id -> its window (shuffle_window)
+        # ordered + shuffle_window + resume: each worker's window replayed to the checkpoint
+        # (feeder.sources.windowreplay); None until the first call works it out, {} for none.
+        self._resumed: Optional[Dict[int, WorkerStart]] = None
         self._binding: Optional[SourceBinding] = None
         self._lock = threading.Lock()
         self._order_cache: Optional[Tuple[int, np.ndarray]] = None
@@ -313,6 +321,7 @@ class ShardedSource(Transformable):
             self._rank, self._basis, self._walk = rank, basis, None
             self._basis_filtered = basis_filtered
             self._windows = {}
+            self._resumed = None
             self._plan_sequence(basis if len(basis) else None)
 
     def _rank_plan(self, name: Optional[str], resume: Optional[Mapping[str, Any]]
@@ -385,6 +394,7 @@ class ShardedSource(Transformable):
             self._cursors = {}
             self._shared = None
             self._windows = {}
+            self._resumed = None
 
     def feeder_describe(self) -> str:
         """A phrase for FeedTimeout and ``diagnose()`` messages: rows, units and epochs."""
@@ -421,33 +431,39 @@ class ShardedSource(Transformable):
         self._cursors[worker_id] = cursor + len(ids)  # only this worker's thread touches its entry
         return cursor
 
-    def __call__(self, worker_id: int, batch_size: int) -> List[np.ndarray]:
+    def __call__(self, worker_id: int, batch_size: int) -> Any:
+        """The next chunk of this worker's sequence: its arrays then their row keys (or SKIP, see
+        _from_window)."""
         if self.shuffle_window is not None:
             return self._from_window(worker_id)
         return self._next_unit(worker_id)
 
-    def _from_window(self, worker_id: int) -> List[np.ndarray]:
+    def _from_window(self, worker_id: int) -> Any:
         """A draw from this worker's shuffle window (feeder.sources.window), topped up first. A
         source that can gather rows by their index in the table (``gathers_rows``: arrays in memory
         or mapped) keeps only each row's index and key in the window, and gathers the draw from its
-        arrays: one copy of each row, as a shuffled unit costs; others keep the rows themselves."""
+        arrays: one copy of each row, as a shuffled unit costs; others keep the rows themselves.
+        An ordered run that resumes starts from each window as it was at the checkpoint
+        (:meth:`_window_start`), and may first return SKIP or the rest of a cut draw."""
         window = self._windows.get(worker_id)
         if window is None:
-            binding = self._binding
-            workers = len(binding.worker_ids) if binding is not None else 1
-            # Each worker's window draws its own stream, and so does each rank's (their worker ids
-            # are the same): reproducible from (seed, worker, rank, world).
-            entropy = [self.seed, 2, worker_id]
-            if self.shard is not None and self.shard[1] > 1:
-                entropy += [self.shard[0], self.shard[1]]
-            rng = np.random.default_rng(entropy)
-            # shuffle_window rows in all, split between the source's workers (each its own window)
-            window = self._windows[worker_id] = ShuffleWindow(max(1, (self.shuffle_window or 1) // workers), rng)
+            window = self._windows[worker_id] = self._new_window(worker_id)
+        start = self._resumed.get(worker_id) if self._resumed else None
+        if start is not None:
+            if start.skip:
+                start.skip = False
+                return SKIP
+            if start.first is not None:
+                (rows, keys), start.first = start.first, None
+                return self._rows_by_index(rows, worker_id)[0] + [keys]
         by_index = self.gathers_rows
         last = 0
         while window.wants_more():
             try:
-                unit, rows, keys = self._next_rows(worker_id, stored_order=True)
+                if start is not None:
+                    unit, rows, keys = self._replayed_rows(start)
+                else:
+                    unit, rows, keys = self._next_rows(worker_id, stored_order=True)
             except StopIteration:
                 window.ended = True
                 break
@@ -462,6 +478,104 @@ class ShardedSource(Transformable):
         if by_index:
             return self._gather(drawn[0]) + [drawn[1]]
         return drawn
+
+    def _window_rng(self, worker_id: int) -> np.random.Generator:
+        # Each worker's window draws its own stream, and so does each rank's (their worker ids
+        # are the same): reproducible from (seed, worker, rank, world).
+        entropy = [self.seed, 2, worker_id]
+        if self.shard is not None and self.shard[1] > 1:
+            entropy += [self.shard[0], self.shard[1]]
+        return np.random.default_rng(entropy)
+
+    def _window_rows(self) -> int:
+        """Each worker's window, in rows: shuffle_window rows in all, split between the workers."""
+        binding = self._binding
+        workers = len(binding.worker_ids) if binding is not None else 1
+        return max(1, (self.shuffle_window or 1) // workers)
+
+    def _new_window(self, worker_id: int) -> ShuffleWindow:
+        """This worker's window: empty, or as the checkpoint left it (a resumed ordered run)."""
+        with self._lock:  # worked out once, for every worker (threads share this object)
+            if self._resumed is None:
+                self._resumed = self._window_starts() or {}
+        start = self._resumed.get(worker_id)
+        if start is None:
+            return ShuffleWindow(self._window_rows(), self._window_rng(worker_id))
+        if not self.gathers_rows:  # it replayed row indices: read the rows it holds
+            start.window.repaint(*self._rows_by_index(start.window.held(0), worker_id, ragged_as_rows=True))
+        return start.window
+
+    def _window_starts(self) -> Optional[Dict[int, WorkerStart]]:
+        """Each worker's window at the checkpoint, for an ordered run resuming from a state of
+        this feed's stream (feeder.sources.windowreplay); None otherwise (windows start empty,
+        and every row not delivered still comes once)."""
+        binding = self._binding
+        if (binding is None or not binding.ordered or binding.resume is None or self._rank is not None
+                or not len(self._basis) or len(binding.replicas) != 1 or not len(self._units)):
+            return None
+
+        def unit_at(index: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+            where = self._fresh_locate(index)
+            if where is None:
+                return None
+            unit, rows, keys = self._rows_at(where, stored_order=True)
+            return rows + int(self._offsets[unit]), keys
+
+        starts = replay(binding.worker_ids, self._window_rows(), self._window_rng, unit_at,
+                        int(self._units.max()), _merged(self._basis))
+        if starts is None:
+            log.info("source %r: the resume state is not where this ordered feed's stream stopped (another worker "
+                     "count, an unordered run, rows filtered later in the stream): the shuffle windows start empty; "
+                     "every row not delivered comes once, not in the batches of the interrupted run",
+                     binding.source_name)
+        return starts
+
+    def _fresh_locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:
+        """(unit, epoch, None) at ``index`` of the sequence of a run that resumes nothing (unsharded)."""
+        epoch, off = divmod(index, len(self._units))
+        if self.epochs is not None and epoch >= self.epochs:
+            return None
+        return int(self._unit_order(epoch)[off]), epoch, None
+
+    def _replayed_rows(self, start: WorkerStart) -> Tuple[int, np.ndarray, np.ndarray]:
+        """The next unit of a replayed worker's sequence (that of a run resuming nothing)."""
+        binding = self._binding
+        assert binding is not None
+        where = self._fresh_locate(start.cursor)
+        start.cursor += len(binding.worker_ids)
+        if where is None:
+            raise StopIteration
+        return self._rows_at(where, stored_order=True)
+
+    def _rows_by_index(self, rows: np.ndarray, worker_id: int, ragged_as_rows: bool = False
+                       ) -> Tuple[List[Any], Set[int]]:
+        """The arrays (one per input) of the table's rows ``rows``, in that order (gathered, or read
+        unit by unit), and which inputs' rows differ in shape (a padded input's): those come as an
+        object array of their rows if ``ragged_as_rows`` (as a window holds them), else as a Ragged."""
+        if self.gathers_rows:
+            return list(self._gather(rows)), set()
+        units = np.searchsorted(self._offsets, rows, side="right") - 1
+        parts: List[Tuple[np.ndarray, List[Any]]] = []
+        for unit in np.unique(units).tolist():
+            at = np.flatnonzero(units == unit)
+            parts.append((at, self._read(unit, rows[at] - int(self._offsets[unit]), worker_id)))
+        out: List[Any] = []
+        ragged: Set[int] = set()
+        for j in range(len(parts[0][1]) if parts else 0):
+            pieces = [p[1][j] for p in parts]
+            if all(isinstance(a, np.ndarray) and a.shape[1:] == pieces[0].shape[1:] for a in pieces):
+                col = np.empty((len(rows),) + pieces[0].shape[1:], np.result_type(*pieces))
+                for (at, _), a in zip(parts, pieces):
+                    col[at] = a
+                out.append(col)
+                continue
+            held = np.empty(len(rows), dtype=object)
+            for (at, _), a in zip(parts, pieces):
+                for i, row in zip(at.tolist(), a):
+                    held[i] = row
+            ragged.add(j)
+            out.append(held if ragged_as_rows else Ragged.from_rows(list(held)))
+        return out, ragged
 
     # True for a source whose rows can be gathered by their index in the table (``_gather``:
     # ArraySource); otherwise rows are read unit by unit only (``_read``).
@@ -486,6 +600,11 @@ class ShardedSource(Transformable):
         where = self._locate(self._take(worker_id))
         if where is None:
             raise StopIteration
+        return self._rows_at(where, stored_order)
+
+    def _rows_at(self, where: Tuple[int, int, Optional[np.ndarray]], stored_order: bool
+                 ) -> Tuple[int, np.ndarray, np.ndarray]:
+        """(unit, its rows to read, their keys) of the sequence's entry ``where`` (see _next_rows)."""
         unit, epoch, positions = where
         order = self._row_order(epoch, unit)
         if positions is None and stored_order:
@@ -511,6 +630,7 @@ class ShardedSource(Transformable):
         state["_order_cache"] = None
         state["_walk"] = None  # made again on first use, in the process that uses it
         state["_windows"] = {}
+        state["_resumed"] = None  # each worker process replays the windows itself
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

@@ -425,6 +425,8 @@ class TransformedSource(Transformable):
                                "init_data_input_workers and start the coordinator")
         columns, take, keyed, steps = plan
         arrays = self.source(worker_id, batch_size)
+        if arrays is SKIP:  # (an ordered source resuming its shuffle windows, feeder.sources.windowreplay)
+            return SKIP
         # Read-only views: a step may not change the source's data (an ArraySource's chunk is a view
         # of the user's arrays), which later epochs read again; a write fails at once (see below).
         cols: Dict[str, np.ndarray] = {name: _read_only(a) for name, a in zip(columns, arrays)}

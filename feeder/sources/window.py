@@ -186,6 +186,30 @@ class ShuffleWindow:
             self._size = self._nfree = 0
         return out
 
+    def held(self, j: int) -> np.ndarray:
+        """What buffer ``j`` holds of each row held, in the order of the window's places."""
+        if self._buffers is None or not self.rows:
+            return np.zeros(0, dtype=np.int64)
+        return self._buffers[j][self._live[:self.rows]]
+
+    def repaint(self, values: List[np.ndarray], by_row: Set[int]) -> None:
+        """Hold ``values`` (one array per input, in the order of :meth:`held`; for the inputs in
+        ``by_row``, whose rows differ in shape, an object array of the rows) in place of buffer 0 for each row held, the
+        last buffer (the row keys) kept. A window replayed with row indices alone (feeder.sources.
+        windowreplay) becomes the window of the rows themselves: its next draws are the same."""
+        bufs = self._buffers
+        if bufs is None or not self.rows:
+            self._buffers, self._by_row = None, set()
+            return
+        live = self._live[:self.rows]
+        out: List[np.ndarray] = []
+        self._by_row = set(by_row)
+        for v in values:
+            b = np.empty((len(bufs[0]),) + v.shape[1:], dtype=v.dtype)
+            b[live] = v
+            out.append(b)
+        self._buffers = out + [bufs[-1]]
+
     def clear(self) -> None:
         self._buffers, self._size, self.rows = None, 0, 0
         self._by_row = set()
