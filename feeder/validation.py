@@ -271,6 +271,9 @@ class ChunkValidator:
                 lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
                 if lo < info.min or hi > info.max:
                     raise self._fail(worker_id, name, f"values that fit {want}", f"{a.dtype} values in [{lo}, {hi}]")
+            if want.kind in "fc" and a.dtype.kind in "iu" and _inexact_ints(a.dtype, want):
+                lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
+                self._check_exact(worker_id, name, a.dtype, want, lo, hi)
             a = a.astype(want)
         if spec.shape is not None and not empty:
             if rank != len(spec.shape):
@@ -366,6 +369,8 @@ class ChunkValidator:
                 if lo < info.min or hi > info.max:
                     raise self._fail(worker_id, spec.name, f"values that fit {want}",
                                      f"{a.dtype} values in [{lo}, {hi}]")
+            if want.kind in "fc" and a.dtype.kind in "iu" and a.size and _inexact_ints(a.dtype, want):
+                self._check_exact(worker_id, spec.name, a.dtype, want, a.min(), a.max())
             if not (want.kind == "f" and a.size and _may_overflow(a.dtype, want)):
                 return a.astype(want)
             # A safe cast never turns a finite value into an infinite one (float64 1e39 -> float32).
@@ -382,6 +387,18 @@ class ChunkValidator:
             return out
         hint = "" if self.cast else " (cast=True converts safe casts)"
         raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
+
+    def _check_exact(self, worker_id: int, name: str, have: np.dtype, want: np.dtype, lo: Any, hi: Any) -> None:
+        """InputValidationError unless integers in [lo, hi] all convert to ``want`` exactly: a cast
+        is safe when the values fit, and 2**24 + 1 as a float32 is 2**24 (an id, a count or a
+        timestamp silently changed)."""
+        exact = 2 ** (np.finfo(want).nmant + 1)
+        if int(lo) < -exact or int(hi) > exact:
+            worst = int(hi) if abs(int(hi)) >= abs(int(lo)) else int(lo)
+            if abs(worst) > float(np.finfo(want).max):
+                return  # beyond the type's range: refused as an overflow, the worse of the two
+            raise self._fail(worker_id, name, f"integers {want} holds exactly (at most 2**{np.finfo(want).nmant + 1} "
+                             f"= {exact} in magnitude)", f"{have} values as large as {worst}")
 
     def _learn(self, arrays: List[np.ndarray]) -> bool:
         """Fix the dtypes and non-batch dims the spec leaves free to those of this first chunk;
@@ -463,6 +480,11 @@ def holds_value(dtype: np.dtype, value: Any) -> bool:
     except (OverflowError, ValueError, TypeError):
         return False
     return bool(v == value) or bool(np.isnan(v) and np.isnan(value)) if dtype.kind in "fc" else bool(v == value)
+
+
+def _inexact_ints(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether some integer of ``src`` has no exact value in the float type ``dst``."""
+    return bool(int(np.iinfo(src).max) > 2 ** (np.finfo(dst).nmant + 1))
 
 
 def _may_overflow(src: np.dtype, dst: np.dtype) -> bool:

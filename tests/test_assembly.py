@@ -157,12 +157,19 @@ def ordered_rows(n, threads, watch=None):
 
 def test_big_batches_are_written_by_several_threads_at_once_and_come_out_in_order(every_batch_outside_the_lock):
     n = 6000
-    with WriteWatch(pause=0.003, jitter=False) as watch:  # (a copy that takes long: writers overlap)
-        got = ordered_rows(n, 3, watch)
     reference = ordered_rows(n, 1)  # (one writer at a time)
-    assert got == reference and sorted(got) == list(range(n))  # ordered=True: the very same order
-    assert watch.most >= 2, "no two batches were ever written at once"
-    assert watch.most <= 3, f"{watch.most} writers at once with assemble_threads=3"
+    most = []
+    # Overlap is a matter of timing: on a loaded 2-core machine one run in two had the threads
+    # take turns (seen under a parallel pytest); three runs without any overlap is a defect.
+    for _ in range(3):
+        with WriteWatch(pause=0.003, jitter=False) as watch:  # (a copy that takes long: writers overlap)
+            got = ordered_rows(n, 3, watch)
+        assert got == reference and sorted(got) == list(range(n))  # ordered=True: the very same order
+        assert watch.most <= 3, f"{watch.most} writers at once with assemble_threads=3"
+        most.append(watch.most)
+        if watch.most >= 2:
+            break
+    assert max(most) >= 2, f"no two batches were ever written at once in {len(most)} runs"
     assert len(watch.threads) >= 2, watch.threads
 
 

@@ -242,6 +242,23 @@ def test_cast_never_turns_a_finite_value_infinite(src, dst, value):
         v([np.array([[1], [value]], src)], 0)
 
 
+@pytest.mark.parametrize("src, dst, exact", [(np.int64, np.float32, 2**24), (np.int32, np.float32, 2**24),
+                                             (np.uint64, np.float64, 2**53), (np.int64, np.float16, 2**11)])
+def test_cast_refuses_integers_the_float_input_cannot_hold_exactly(src, dst, exact):
+    # cast=True converts "when the values fit": 2**24 + 1 became float32 2**24, an id or a count
+    # silently changed. Integers up to 2**(mantissa bits + 1) in magnitude pass.
+    from feeder.validation import ChunkValidator, InputSpec
+
+    v = ChunkValidator("s", ["x"], [0], [InputSpec("x", np.dtype(dst), (None, 1))], cast=True, dont_rebatch=False)
+    lo = 0 if np.dtype(src).kind == "u" else -exact
+    ok = v([np.array([[lo], [exact]], src)], 3)[0]
+    assert ok.dtype == dst and ok.tolist() == [[lo], [exact]]
+    with pytest.raises(feeder.InputValidationError,
+                       match=rf"source 's', worker 3, input 'x'.*integers {np.dtype(dst)} holds exactly.*{exact + 1}"):
+        v([np.array([[1], [exact + 1]], src)], 3)
+    assert v([np.array([[1], [2]], np.int16)], 3)[0].dtype == dst  # small integers of any type pass
+
+
 def test_cast_keeps_infinities_and_nans_that_were_there():
     from feeder.validation import ChunkValidator, InputSpec
 
