@@ -97,7 +97,9 @@ def init_data_input_workers(
         coordinator: The :class:`~feeder.GlobalCoordinator` to register on; None: the
             module-level ``feeder.global_coordinator``.
         last_batch: For a finite source, ``"keep"`` its short final batch or ``"drop"`` it (the
-            rows dropped are logged and counted).
+            rows dropped are logged and counted). On a session input with a fixed batch
+            dimension, ``run()`` pads a kept short batch to it and returns its own rows' outputs
+            (a training adapter or a device feed drops it).
         log_interval: Seconds between throughput log lines (and calls of the external loggers).
         ordered: True builds batches from chunks in a fixed round-robin of worker ids, so that
             the batches are the same on every run whatever the thread timing.
@@ -198,7 +200,8 @@ def init_data_input_workers(
     arrays = checks.arrays_of(session, input_names, fetch_fun, batch_size, batch_columns, dont_rebatch, pad,
                               mask_names, pad_to_multiple_of, length_window, keep)
     replica = checks.bool_arg("replica", replica)
-    last_batch = checks.short_last_batch(last_batch, arrays, dont_rebatch, input_source_name)
+    last_batch, pad_short = checks.short_last_batch(last_batch, arrays, dont_rebatch, input_source_name, session,
+                                                    placement)
     arrays = checks.source_columns(fetch_fun, resume_from, arrays)
     checks.refuse_shared_source(coord, fetch_fun, input_source_name, resume_from)
     names, specs, axes = arrays.names, arrays.specs, arrays.axes
@@ -212,7 +215,7 @@ def init_data_input_workers(
                     last_batch=last_batch, log_interval=log_interval, validator=validator,
                     max_fetch_errors=max_fetch_errors, auto=auto, resume_from=resume_from, processes=processes,
                     placement=placement, padding=arrays.padding, kept=arrays.kept,
-                    assemble_threads=assemble_threads)
+                    assemble_threads=assemble_threads, pad_short=pad_short)
 
     coord._register(make_feed, name=input_source_name, input_names=names, batch_axes=axes, dont_rebatch=dont_rebatch,
                     max_buffered_batches=max_buffered_batches, num_workers=num_workers,

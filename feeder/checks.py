@@ -219,17 +219,35 @@ def arrays_of(session: Any, input_names: Optional[Sequence[str]], fetch_fun: Any
                   mask_specs, padding)
 
 
-def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_source_name: str) -> str:
-    """``last_batch``, or "drop" where an input's batch dimension is fixed (logged)."""
+def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_source_name: str,
+                     session: Any = None, placement: Placement = CPU) -> Tuple[str, Optional[int]]:
+    """(``last_batch``, the rows ``run()`` pads a short batch to, or None) where an input's batch
+    dimension is fixed: the runtime cannot take a short batch there.
+
+    ``"keep"`` keeps the short last batch: ``next_batch()`` gives it as it is, and ``run()`` of an
+    InferenceSession on the host pads it to the fixed size (its last row repeated) and returns the
+    outputs of its own rows only, as ``feeder.predict`` does, so that no row is lost. A training
+    adapter (a padded row would be trained on) or a device feed (its slots hold whole batches)
+    drops it instead (logged and counted)."""
     mask_specs = arrays.mask_specs
     fixed = fixed_batch_inputs(arrays.specs + mask_specs, arrays.axes + [0] * len(mask_specs))
-    if fixed and not dont_rebatch and last_batch == "keep":
-        # The runtime cannot take a short batch on a fixed batch dimension, so a finite source's
-        # short last batch is dropped (logged and counted) rather than failing inside run().
-        log.info("source %r: input(s) %s have a fixed batch dimension, so a finite source's short last "
-                 "batch will be dropped (last_batch='drop')", input_source_name, fixed)
-        return "drop"
-    return last_batch
+    if not fixed or dont_rebatch or last_batch != "keep":
+        return last_batch, None
+    custom = callable(getattr(session, "run_batch", None))
+    if session is not None and not custom and not placement.on_device:
+        sizes: List[int] = []
+        for spec, ax in zip(arrays.specs + mask_specs, arrays.axes + [0] * len(mask_specs)):
+            dim = spec.shape[ax] if spec.name in fixed and spec.shape is not None else None
+            if dim is not None:
+                sizes.append(int(dim))
+        log.info("source %r: input(s) %s have a fixed batch dimension: run() pads a finite source's short last "
+                 "batch to it (its last row repeated) and returns the outputs of its own rows", input_source_name,
+                 fixed)
+        return "keep", sizes[0]
+    why = "a training session would train on padded rows" if custom else "a device feed's slots hold whole batches"
+    log.info("source %r: input(s) %s have a fixed batch dimension, so a finite source's short last batch will be "
+             "dropped (last_batch='drop'; %s)", input_source_name, fixed, why)
+    return "drop", None
 
 
 # ---- the source ---------------------------------------------------------------------------------

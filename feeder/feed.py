@@ -111,7 +111,7 @@ class Feed(Pump):
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
                  placement: Optional[Placement] = None, padding: Optional[Padding] = None,
-                 kept: Sequence[str] = (), assemble_threads: Optional[int] = None):
+                 kept: Sequence[str] = (), assemble_threads: Optional[int] = None, pad_short: Optional[int] = None):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -136,6 +136,9 @@ class Feed(Pump):
         self.dont_rebatch = dont_rebatch
         self.timeout = float(timeout)
         self.last_batch = last_batch
+        # A fixed batch dimension and last_batch="keep": run() pads the short last batch to this
+        # many rows and returns its own rows' outputs (feeder.checks.short_last_batch).
+        self._pad_short = pad_short
         self.log_interval = float(log_interval)
         self.max_fetch_errors = max_fetch_errors
         # num_worker_threads="auto": the tuner decides how many of worker_ids run (feeder.tuning).
@@ -575,14 +578,32 @@ class Feed(Pump):
             t0 = time.monotonic()
         if tracer is not None and t0 > start:
             tracer.span("wait", start, t0, rows=batch.rows)
+        short = self._pad_short is not None and batch.rows < self._pad_short
         try:
-            got = runner.run(batch, output_names, run_options, outputs)
+            got = runner.run(self._padded(batch) if short else batch, output_names, run_options, outputs)
+            if short:
+                got = runner.cut_rows(got, batch.rows, self._pad_short)
         finally:
             end = time.monotonic()
             self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, end)
             if tracer is not None:
                 tracer.span("run", t0, end, rows=batch.rows)
         return (got, arrays) if arrays is not None else got
+
+    def _padded(self, batch: PreparedBatch) -> PreparedBatch:
+        """The short last batch padded to the fixed batch size for the runtime, its last row
+        repeated (in-distribution; its outputs are cut off after the run, see _cut)."""
+        assert self._pad_short is not None
+        n, extra = batch.rows, self._pad_short - batch.rows
+        axes = dict(zip(self._all_names, self._axes))  # (a pad mask: axis 0)
+        arrays = []
+        for name, a in zip(batch.names, batch.host_arrays()):
+            ax = axes.get(name, 0)
+            last = np.take(a, [n - 1], axis=ax)
+            arrays.append(np.concatenate([a, np.repeat(last, extra, axis=ax)], axis=ax))
+        padded = PreparedBatch(batch.names, arrays, self._pad_short)
+        padded.unfed = batch.unfed if batch.unfed is not None else {}
+        return padded
 
     def runs(self, output_names: Optional[Sequence[str]] = None, run_options: Any = None, *,
              outputs: str = "host", with_batch: bool = False) -> Iterator[Any]:

@@ -180,29 +180,54 @@ def test_run_handles_batches_of_changing_row_counts(coord):
     assert 5 in seen and seen <= {5, 8}
 
 
-def test_fixed_batch_dimension_drops_the_short_last_batch_instead_of_failing_in_the_runtime(coord, caplog):
+@pytest.mark.parametrize("outputs", ["host", "device"])
+def test_fixed_batch_dimension_pads_the_short_last_batch_for_run_and_loses_no_row(coord, caplog, outputs):
     """Issue 9, defect 4: with x: [4, 4] and 10 rows, the third run() raised ONNX Runtime's own
-    'Got invalid dimensions' error and the 2 rows were counted as delivered."""
+    'Got invalid dimensions' error and the 2 rows were counted as delivered. Then the short batch
+    was dropped, against last_batch="keep" and "no row is lost". Now run() pads it to 4 rows (its
+    last row repeated) and returns the outputs of its own 2 rows, as feeder.predict does."""
     import logging
 
     sess = session(linear_model(batch=4))
-    rows = iter([np.full((10, 4), 1.0, np.float32)])
+    x = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
+    rows = iter([x])
 
     def fetch(worker_id, batch_size):
         return [next(rows)]  # one chunk of 10 rows, then StopIteration
 
     with caplog.at_level(logging.INFO, logger="feeder"):
         feeder.init_data_input_workers(sess, None, fetch, 4, num_worker_threads=1, coordinator=coord, timeout=10)
-        assert any("fixed" in r.getMessage() and "drop" in r.getMessage() for r in caplog.records)
+        assert any("fixed" in r.getMessage() and "pads" in r.getMessage() for r in caplog.records)
         coord.start()
         feed = coord.feed("train")
-        outs = [feed.run() for _ in range(2)]
+        outs = [feed.run(outputs=outputs, with_batch=True) for _ in range(3)]
         with pytest.raises(StopIteration):
             feed.run()
-    assert [o[0].shape for o in outs] == [(4, 3), (4, 3)]
+    got = [[np.asarray(o.numpy() if outputs == "device" else o) for o in out] for out, _ in outs]
+    assert [[o.shape for o in g] for g in got] == [[(4, 3), (4,)], [(4, 3), (4,)], [(2, 3), (2,)]]
+    padded = np.concatenate([x, x[-1:], x[-1:]])  # (the model takes 4 rows at a time)
+    want = [np.concatenate(w)[:10] for w in zip(*(sess.run(None, {"x": padded[i:i + 4]}) for i in (0, 4, 8)))]
+    np.testing.assert_allclose(np.concatenate([g[0] for g in got]), want[0], rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate([g[1] for g in got]), want[1], rtol=1e-6)
+    assert outs[2][1]["x"].tolist() == x[8:].tolist()  # the batch as it was: 2 rows
     m = feed.metrics()
-    assert m["source_rows_delivered"] == 8 and m["source_rows_dropped"] == 2
-    assert any("dropped the last 2 rows" in r.getMessage() for r in caplog.records)
+    assert m["source_rows_delivered"] == 10 and m["source_rows_dropped"] == 0
+
+
+def test_fixed_batch_dimension_gives_next_batch_the_short_batch_and_drop_still_drops(coord):
+    sess = session(linear_model(batch=4))
+
+    def register(name, **kw):
+        rows = iter([np.ones((10, 4), np.float32)])
+        feeder.init_data_input_workers(sess, None, lambda w, b: [next(rows)], 4, num_worker_threads=1,
+                                       coordinator=coord, timeout=10, input_source_name=name, **kw)
+
+    register("kept")
+    register("dropped", last_batch="drop")
+    with coord:
+        assert [len(b["x"]) for b in coord.feed("kept")] == [4, 4, 2]
+        assert [o[0].shape[0] for o in coord.feed("dropped").runs()] == [4, 4]
+        assert coord.feed("dropped").metrics()["source_rows_dropped"] == 2
 
 
 class IdRows:

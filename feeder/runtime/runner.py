@@ -388,6 +388,21 @@ class Runner:
             else:
                 batch.release()  # the run has returned: nothing reads the slot's buffers any more
 
+    def cut_rows(self, outputs: List[Any], rows: int, size: Optional[int]) -> List[Any]:
+        """The outputs of a batch padded from ``rows`` to ``size`` rows (feeder.feed: a short last
+        batch on a fixed batch dimension): each output with ``size`` rows cut to its first ``rows``
+        (an OrtValue, on the host, through numpy)."""
+        out: List[Any] = []
+        for o in outputs:
+            if isinstance(o, np.ndarray):
+                out.append(o[:rows] if o.ndim and o.shape[0] == size else o)
+                continue
+            shape = o.shape() if callable(getattr(o, "shape", None)) else None
+            if shape and shape[0] == size:
+                o = import_onnxruntime().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o.numpy()[:rows]))
+            out.append(o)
+        return out
+
     def _outputs(self, binding: Any, batch: PreparedBatch) -> List[Any]:
         slot = batch.slot
         fixed = slot.outputs.get(tuple(batch.output_names or ())) if self._graph and slot is not None \
