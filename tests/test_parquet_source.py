@@ -138,6 +138,27 @@ def test_ordered_resume_with_a_shuffle_window_gives_the_same_batches_as_an_unint
         after, _ = consume(make(), ordered=True, batch_size=12, resume=state, processes=processes)
         for name in INPUTS:
             assert [b[name].tolist() for b in before + after] == [b[name].tolist() for b in full], (take, name)
+            # and the same dtypes: a string column's width was the width the window had grown to
+            assert [b[name].dtype for b in before + after] == [b[name].dtype for b in full], (take, name)
+
+
+def test_ordered_resume_with_a_window_gives_strings_the_width_of_the_uninterrupted_run(tmp_path):
+    # A window's string buffer widens to the longest value of every unit it read, and draws had
+    # that width: a resumed window, rebuilt from the rows it held, gave narrower batches (<U3 for
+    # <U40). Now a draw has the width of its own rows, however the window was filled.
+    n = 400
+    names = [("L" * 40 if i < 50 else f"s{i}") for i in range(n)]
+    pq.write_table(pa.table({"id": np.arange(n), "s": names}), tmp_path / "t.parquet", row_group_size=50)
+
+    def make():
+        return ParquetSource(tmp_path / "t.parquet", shuffle=True, seed=0, shuffle_window=100)
+
+    full, _ = consume(make(), inputs=["id", "s"], ordered=True, batch_size=16, workers=2)
+    for take in (5, 13, 20):
+        before, state = consume(make(), inputs=["id", "s"], ordered=True, batch_size=16, workers=2, take=take)
+        after, _ = consume(make(), inputs=["id", "s"], ordered=True, batch_size=16, workers=2, resume=state)
+        assert [(b["s"].tolist(), b["s"].dtype) for b in before + after] == \
+            [(b["s"].tolist(), b["s"].dtype) for b in full], take
 
 
 def test_a_state_from_other_files_or_columns_is_refused(files, tmp_path):

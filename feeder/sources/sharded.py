@@ -19,7 +19,7 @@ from .base import SKIP, SourceBinding
 from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share
 from .state import check_state, ranges_of
 from .transform import Transformable
-from .window import ShuffleWindow
+from .window import ShuffleWindow, narrowed
 from .windowreplay import WorkerStart, replay
 
 log = logging.getLogger("feeder")
@@ -455,7 +455,7 @@ class ShardedSource(Transformable):
                 return SKIP
             if start.first is not None:
                 (rows, keys), start.first = start.first, None
-                return self._rows_by_index(rows, worker_id)[0] + [keys]
+                return self._cut_draw(rows, keys, start.head, worker_id)
         by_index = self.gathers_rows
         last = 0
         while window.wants_more():
@@ -478,6 +478,16 @@ class ShardedSource(Transformable):
         if by_index:
             return self._gather(drawn[0]) + [drawn[1]]
         return drawn
+
+    def _cut_draw(self, rows: np.ndarray, keys: np.ndarray, head: int, worker_id: int) -> List[Any]:
+        """The rows after the first ``head`` of a draw of ``rows`` (the turn a checkpoint cut), as
+        the draw gave them: a string column at the width of the whole draw (window.narrowed)."""
+        if self.gathers_rows:
+            return list(self._gather(rows[head:])) + [keys[head:]]
+        arrays, ragged = self._rows_by_index(rows, worker_id, ragged_as_rows=True)
+        out: List[Any] = [Ragged.from_rows(list(a[head:])) if j in ragged else narrowed(a)[head:]
+                          for j, a in enumerate(arrays)]
+        return out + [keys[head:]]
 
     def _window_rng(self, worker_id: int) -> np.random.Generator:
         # Each worker's window draws its own stream, and so does each rank's (their worker ids
@@ -525,9 +535,9 @@ class ShardedSource(Transformable):
                         int(self._units.max()), _merged(self._basis))
         if starts is None:
             log.info("source %r: the resume state is not where this ordered feed's stream stopped (another worker "
-                     "count, an unordered run, rows filtered later in the stream): the shuffle windows start empty; "
-                     "every row not delivered comes once, not in the batches of the interrupted run",
-                     binding.source_name)
+                     "count, an unordered run, or a filter on the source, whose dropped rows are recorded as they are "
+                     "fetched): the shuffle windows start empty; every row not delivered comes once, not in the "
+                     "batches of the interrupted run", binding.source_name)
         return starts
 
     def _fresh_locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:

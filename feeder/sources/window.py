@@ -54,6 +54,20 @@ def _row_objects(a: Any) -> np.ndarray:
     return out
 
 
+def narrowed(a: Any) -> Any:
+    """A string array (``U``, ``S``) at the width of its longest value, else ``a`` as it is.
+
+    A window's buffer of strings only widens (to the longest value of every unit it read), so a
+    draw as the buffer holds it would have a width that depends on the window's whole history; at
+    its own rows' width, a draw is the same whether the window was filled from the run's start or
+    rebuilt from a checkpoint (feeder.sources.windowreplay)."""
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "US" or not a.size:
+        return a
+    longest = max(1, int(np.char.str_len(a).max()))
+    width = a.dtype.itemsize // (4 if a.dtype.kind == "U" else 1)
+    return a.astype(np.dtype((a.dtype.type, longest))) if longest < width else a
+
+
 class ShuffleWindow:
     """Up to ``capacity`` rows (plus the last unit read) drawn from at random. A piece is a list of
     arrays (the inputs, then the row keys), all of one row count; pieces must agree in dtype kind
@@ -174,8 +188,8 @@ class ShuffleWindow:
         out: List[Any] = []
         for b in bufs:
             rb = _as_rows(b)
-            out.append(np.take(b, slots, axis=0) if rb is None else
-                       np.take(rb, slots).view(b.dtype).reshape((k,) + b.shape[1:]))
+            out.append(narrowed(np.take(b, slots, axis=0) if rb is None else
+                                np.take(rb, slots).view(b.dtype).reshape((k,) + b.shape[1:])))
         for j in self._by_row:
             out[j] = Ragged.from_rows(list(out[j]))
             bufs[j][slots] = None  # the window no longer holds those rows (nor the chunks they are views of)

@@ -13,8 +13,9 @@ round-robin, until the first turn not wholly delivered according to the state: e
 window is then where it was when the uninterrupted run made that turn's chunk. The replay checks
 that what the state lists is exactly the rows of the turns before that one, plus the head of that
 turn's draw (a checkpoint falls between batches, and a batch may end inside a chunk); anything
-else (a state of an unordered run, of another worker count, rows filtered by a transform later in
-the stream) and the source resumes as before: every row not delivered, once, windows empty.
+else (a state of an unordered run, of another worker count, or of a source with a filter,
+whose dropped rows are recorded as they are fetched, ahead of the stream) and the source resumes
+as before: every row not delivered, once, windows empty.
 
 What each worker does first in the resumed run (:class:`WorkerStart`): the undelivered rest of
 the turn the checkpoint cut, or that turn's whole draw; ``SKIP`` if its turn in the round the
@@ -43,7 +44,8 @@ class WorkerStart:
 
     window: ShuffleWindow
     cursor: int                         # the sequence index of the next unit it reads
-    first: Optional[List[np.ndarray]]   # (row indices, keys) it returns first: the turn the checkpoint cut
+    first: Optional[List[np.ndarray]]   # (row indices, keys) of the draw of the turn the checkpoint cut ...
+    head: int                           # ... of which it returns the rows after this many first
     skip: bool                          # its turn in the checkpoint's round was taken: return SKIP first
 
 
@@ -90,11 +92,11 @@ def replay(workers: Sequence[int], capacity: int, rng_of: Callable[[int], np.ran
         if left != head or not done[:head].all():
             return None  # rows delivered beyond this turn, or not as the head of its draw
         at = pos % count
-        return {v: WorkerStart(windows[v], cursor[v], [a[head:] for a in drawn] if v == w else None,
+        return {v: WorkerStart(windows[v], cursor[v], drawn if v == w else None, head,
                                v not in ended and order.index(v) < at) for v in workers}
     if left:
         return None
-    return {v: WorkerStart(windows[v], cursor[v], None, False) for v in workers}
+    return {v: WorkerStart(windows[v], cursor[v], None, 0, False) for v in workers}
 
 
 def _draw(window: ShuffleWindow, cursor: Dict[int, int], w: int, step: int, next_unit: NextUnit,
