@@ -234,7 +234,8 @@ def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_
     if not fixed or dont_rebatch or last_batch != "keep":
         return last_batch, None
     custom = callable(getattr(session, "run_batch", None))
-    if session is not None and not custom and not placement.on_device:
+    fed_on_axis_0 = all(ax == 0 for spec, ax in zip(arrays.specs, arrays.axes) if not spec.kept)
+    if session is not None and not custom and not placement.on_device and fed_on_axis_0:
         sizes: List[int] = []
         for spec, ax in zip(arrays.specs + mask_specs, arrays.axes + [0] * len(mask_specs)):
             dim = spec.shape[ax] if spec.name in fixed and spec.shape is not None else None
@@ -244,7 +245,9 @@ def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_
                  "batch to it (its last row repeated) and returns the outputs of its own rows", input_source_name,
                  fixed)
         return "keep", sizes[0]
-    why = "a training session would train on padded rows" if custom else "a device feed's slots hold whole batches"
+    why = ("a training session would train on padded rows" if custom else
+           "a device feed's slots hold whole batches" if placement.on_device else
+           "an input's batch axis is not its first")
     log.info("source %r: input(s) %s have a fixed batch dimension, so a finite source's short last batch will be "
              "dropped (last_batch='drop'; %s)", input_source_name, fixed, why)
     return "drop", None

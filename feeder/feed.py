@@ -580,9 +580,13 @@ class Feed(Pump):
             tracer.span("wait", start, t0, rows=batch.rows)
         short = self._pad_short is not None and batch.rows < self._pad_short
         try:
-            got = runner.run(self._padded(batch) if short else batch, output_names, run_options, outputs)
             if short:
-                got = runner.cut_rows(got, batch.rows, self._pad_short)
+                try:
+                    got = runner.run_padded(batch, self._padded, output_names, run_options, outputs)
+                except FeederError as e:
+                    raise FeederError(f"source {self.input_source_name!r}: {e}") from None
+            else:
+                got = runner.run(batch, output_names, run_options, outputs)
         finally:
             end = time.monotonic()
             self.counters.took_and_ran(batch.rows, batch.nbytes, start, t0, end)
@@ -590,17 +594,16 @@ class Feed(Pump):
                 tracer.span("run", t0, end, rows=batch.rows)
         return (got, arrays) if arrays is not None else got
 
-    def _padded(self, batch: PreparedBatch) -> PreparedBatch:
-        """The short last batch padded to the fixed batch size for the runtime, its last row
-        repeated (in-distribution; its outputs are cut off after the run, see _cut)."""
+    def _padded(self, batch: PreparedBatch, fill: str) -> PreparedBatch:
+        """The short last batch padded to the fixed batch size for the runtime: its rows, then its
+        ``fill`` row ("last" or "first") repeated (rows of the data; Runner.run_padded runs both
+        to tell the outputs with one row per batch row, which it cuts back, from the others)."""
         assert self._pad_short is not None
         n, extra = batch.rows, self._pad_short - batch.rows
-        axes = dict(zip(self._all_names, self._axes))  # (a pad mask: axis 0)
         arrays = []
-        for name, a in zip(batch.names, batch.host_arrays()):
-            ax = axes.get(name, 0)
-            last = np.take(a, [n - 1], axis=ax)
-            arrays.append(np.concatenate([a, np.repeat(last, extra, axis=ax)], axis=ax))
+        for a in batch.host_arrays():  # (batch axis 0: feeder.checks.short_last_batch)
+            row = a[n - 1:n] if fill == "last" else a[:1]
+            arrays.append(np.concatenate([a, np.repeat(row, extra, axis=0)]))
         padded = PreparedBatch(batch.names, arrays, self._pad_short)
         padded.unfed = batch.unfed if batch.unfed is not None else {}
         return padded

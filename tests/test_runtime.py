@@ -230,6 +230,49 @@ def test_fixed_batch_dimension_gives_next_batch_the_short_batch_and_drop_still_d
         assert coord.feed("dropped").metrics()["source_rows_dropped"] == 2
 
 
+def test_a_short_last_batch_on_a_fixed_batch_dimension_refuses_outputs_that_mix_rows(coord):
+    # m = the mean over the batch: for a padded batch it is no answer (cut to 2 values it was 2 of
+    # the 4 columns' means, taken over the padded rows, found by a review); y = 2x is per row.
+    import onnx
+    from models import batch_mean_model
+
+    model = onnx.load_from_string(batch_mean_model(dim=4))
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4  # x: [4, 4]
+    sess = session(model.SerializeToString())
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    rows = iter([x])
+    feeder.init_data_input_workers(sess, None, lambda w, b: [next(rows)], 4, num_worker_threads=1,
+                                   coordinator=coord, timeout=10)
+    coord.start()
+    feed = coord.feed("train")
+    assert [feed.run(["y"])[0].tolist() for _ in range(2)] == [(x[:4] * 2).tolist(), (x[4:8] * 2).tolist()]
+    with pytest.raises(feeder.FeederError, match=r"source 'train': output 'm' of the short last batch depends on "
+                                                 r"more than each row.*last_batch='drop'"):
+        feed.run(["y", "m"])
+
+
+def test_a_short_last_batch_on_a_fixed_batch_dimension_gives_device_outputs_that_own_their_memory(coord):
+    # They were OrtValues made around a numpy view of ONNX Runtime's output: once the caller dropped
+    # the OrtValue and kept its .numpy(), the array read memory ONNX Runtime had freed and reused.
+    sess = session(linear_model(batch=4))
+    x = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
+
+    def run_all():
+        rows = iter([x])
+        c = feeder.GlobalCoordinator(join_timeout=3.0)
+        feeder.init_data_input_workers(sess, None, lambda w, b: [next(rows)], 4, num_worker_threads=1,
+                                       coordinator=c, timeout=10)
+        with c:
+            return [[np.asarray(v.numpy()) for v in out] for out in c.feed("train").runs(outputs="device")]
+
+    want = [np.concatenate(o) for o in zip(*run_all())]
+    for _ in range(3):
+        got = run_all()
+        run_all()  # more runs of the same session: its arena reuses what was freed
+        assert [np.concatenate(o).tolist() for o in zip(*got)] == [w.tolist() for w in want]
+    assert want[0].shape == (10, 3)
+
+
 class IdRows:
     """A finite fetch function: chunks of 1..``max_rows`` rows of x = [id, 1.0], every id of
     0..n-1 once (so batches span chunks and are assembled in reused buffers)."""

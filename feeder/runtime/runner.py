@@ -20,6 +20,7 @@ from ..device import (
     cuda_graph_enabled,
 )
 from ..device.transfer import sources_of
+from ..errors import FeederError
 from ..rebatcher import BufferRing
 from .batch import PreparedBatch
 from .signature import _ORT_TYPES, import_onnxruntime, input_specs, output_names
@@ -35,6 +36,25 @@ MAX_TEMPLATES = 64
 MAX_OUTPUT_RINGS = 8
 OUTPUT_PLACES = ("host", "device")
 Template = Tuple[List[Tuple[int, ...]], List[np.dtype]]  # output shapes and dtypes, in output order
+
+
+def _sized(a: Any, size: int) -> bool:
+    """Whether ``a`` has ``size`` rows (an array along axis 0, or a list)."""
+    if isinstance(a, list):
+        return len(a) == size
+    return isinstance(a, np.ndarray) and a.ndim >= 1 and a.shape[0] == size
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two outputs hold the same values (floats to within rounding, NaN equal to NaN)."""
+    if isinstance(a, list) or isinstance(b, list):
+        return list(a) == list(b)
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind in "fc" and b.dtype.kind in "fc":
+        return bool(np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True))
+    return bool(np.array_equal(a, b))
 
 
 class Runner:
@@ -388,20 +408,59 @@ class Runner:
             else:
                 batch.release()  # the run has returned: nothing reads the slot's buffers any more
 
-    def cut_rows(self, outputs: List[Any], rows: int, size: Optional[int]) -> List[Any]:
-        """The outputs of a batch padded from ``rows`` to ``size`` rows (feeder.feed: a short last
-        batch on a fixed batch dimension): each output with ``size`` rows cut to its first ``rows``
-        (an OrtValue, on the host, through numpy)."""
+    def run_padded(self, batch: PreparedBatch, padded: Callable[[PreparedBatch, str], PreparedBatch],
+                   output_names: Optional[Sequence[str]], run_options: Any, outputs: str = "host") -> List[Any]:
+        """Run a short batch on a fixed batch dimension (feeder.feed): padded to it with its last
+        row repeated, and once more with its first row repeated, so that an output with one row per
+        batch row (its first ``batch.rows`` rows the same both times) is told from one that mixes
+        rows (a mean over the batch): the first are cut back to the batch's rows, the second are a
+        FeederError naming them (what they would give for the padded rows is no answer)."""
+        if batch.binding is not None and batch.slot is None:  # prepared at its own size: not run
+            self._bindings.append(batch.binding)
+            batch.binding = None
+        n = batch.rows
+        names = list(self._all_outputs if output_names is None else output_names)
+        last = padded(batch, "last")
+        size = last.rows
+        got = self.run(last, output_names, run_options, outputs)
+        first = [self._host_copy(name, o) for name, o in zip(names, got)]
+        second = [self._host_copy(name, o) for name, o in
+                  zip(names, self.run(padded(batch, "first"), output_names, run_options, outputs))]
         out: List[Any] = []
-        for o in outputs:
-            if isinstance(o, np.ndarray):
-                out.append(o[:rows] if o.ndim and o.shape[0] == size else o)
-                continue
-            shape = o.shape() if callable(getattr(o, "shape", None)) else None
-            if shape and shape[0] == size:
-                o = import_onnxruntime().OrtValue.ortvalue_from_numpy(np.ascontiguousarray(o.numpy()[:rows]))
-            out.append(o)
+        for name, o, a, b in zip(names, got, first, second):
+            per_row = _sized(a, size) and _same(a[:n], b[:n])
+            if not per_row and not _same(a, b):
+                raise FeederError(
+                    f"output {name!r} of the short last batch depends on more than each row (it changed with "
+                    f"the rows the batch was padded with to the session's fixed batch dimension of {size}); "
+                    f"register with last_batch='drop', or ask run() for the outputs with one row per batch row")
+            if not per_row:
+                out.append(o)
+            elif outputs == "device" and not isinstance(a, list):
+                out.append(self._owned_value(np.ascontiguousarray(a[:n])))
+            else:
+                out.append(a[:n])
         return out
+
+    def _host_copy(self, name: str, o: Any) -> Any:
+        """An output of a padded run as numpy (or a list, for a sequence output), copied: the next
+        run may write into the buffers it was bound to."""
+        if isinstance(o, np.ndarray):
+            return o.copy()
+        if isinstance(o, (list, tuple)):
+            return list(o)
+        try:
+            return np.array(o.numpy())
+        except Exception as e:  # (bfloat16 has no numpy type)
+            raise FeederError(f"output {name!r} of the short last batch cannot be cut back to the batch's rows: "
+                              f"its values have no numpy type ({e}); register with last_batch='drop'") from e
+
+    def _owned_value(self, a: np.ndarray) -> Any:
+        """An OrtValue that owns a copy of ``a`` (one made from the array would borrow its memory)."""
+        ort = import_onnxruntime()
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(a.shape), a.dtype)
+        value.update_inplace(a)
+        return value
 
     def _outputs(self, binding: Any, batch: PreparedBatch) -> List[Any]:
         slot = batch.slot
