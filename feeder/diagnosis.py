@@ -158,6 +158,15 @@ def _feeding_bound(t: StageTimes, fetching: float) -> Optional[str]:
                 f"fewer bytes (uint8 inputs cast on the device by the model rather than float32), and make sure "
                 f"batches come from pinned or registered memory (worker processes' chunks go to the device straight "
                 f"from their shared memory; the log says when pinned memory could not be had).")
+    if t.device and copy_use > 0 and copy_use >= fetch_use and copy_use >= assemble_use:
+        # No stage is saturated, but the copy is the most used: the fetchers' advice ("more
+        # threads help", for fetchers that mostly wait) would send the user the wrong way.
+        consumer = t.consumer_wait_s + t.consumer_run_s + t.consumer_between_s
+        return (f"Input-bound: the consumer waited for batches {_pct(t.consumer_wait_s, consumer)} of its time; of "
+                f"the stages that feed it, copying batches to the device is the most used ({_pct(copy_use, 1)} of "
+                f"the time), ahead of the fetchers in fetch_fun ({_pct(fetch_use, 1)} of theirs), so more fetchers "
+                f"would not help. To go faster, copy fewer bytes (uint8 inputs cast on the device by the model "
+                f"rather than float32), and make sure batches come from pinned or registered memory.")
     if assemble_use >= ASSEMBLE_BOUND and assemble_use >= fetch_use:
         return (f"Assemble-bound: writing batches (copying rows out of their chunks) keeps the "
                 f"{t.assemble_threads} assembling thread(s) busy {_pct(assemble_use, 1)} of the time "

@@ -214,6 +214,17 @@ def test_a_copy_bound_device_feed_is_named_so_and_never_told_to_add_fetchers():
     assert not verdict(times(fetch_s=4.0, fetch_cpu_s=1.0, device=True)).startswith("Copy-bound")
 
 
+def test_a_device_feed_whose_copy_is_its_most_used_stage_is_never_told_to_add_fetchers():
+    # Copies busy 40% of the time, fetchers 20% of theirs: below the copy-bound mark, the verdict
+    # fell through to the fetchers' advice, "more worker threads help (num_worker_threads=4)".
+    text = verdict(times(fetch_s=4.0, fetch_cpu_s=1.0, copy_s=4.0, device=True))
+    assert text.startswith("Input-bound") and "copying batches to the device is the most used (40%" in text, text
+    assert "more fetchers would not help" in text
+    assert "num_worker_threads" not in text and "more worker threads" not in text
+    # the fetchers more used than the copy: theirs is the advice
+    assert "more worker threads help" in verdict(times(fetch_s=8.0, fetch_cpu_s=1.0, copy_s=2.0, device=True))
+
+
 def test_an_assemble_bound_feed_is_named_so_with_its_threads():
     text = verdict(times(fetch_s=3.0, fetch_cpu_s=1.0, assemble_s=14.0, assemble_threads=2))
     assert text.startswith("Assemble-bound") and "assemble_threads (now 2)" in text, text
