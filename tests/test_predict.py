@@ -1041,3 +1041,27 @@ def test_success_marks_a_complete_output_only_and_a_stray_one_does_not_block(tmp
     (out / SUCCESS_NAME).unlink()
     assert feeder.predict(sess, ArraySource({"x": x}), out, progress=False).rows_computed == 0
     assert (out / SUCCESS_NAME).exists()
+
+
+def test_an_output_whose_rows_follow_the_batch_size_is_refused_before_anything_is_written(tmp_path):
+    # g = x @ x.T, [N, N]: one row per input row, but each row as wide as the batch. The check
+    # compared row counts only; the short last batch then failed inside ONNX Runtime on the output
+    # buffers bound for the others (found by an acceptance review).
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["xt"]), helper.make_node("MatMul", ["x", "xt"], ["g"]),
+         helper.make_node("Identity", ["x"], ["y"])], "gram",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("g", TensorProto.FLOAT, ["N", "N"]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    from models import _model
+
+    sess = session(_model(graph))
+    src = ArraySource({"x": np.ones((10, 4), np.float32), "id": np.arange(10)})
+    with pytest.raises(ValueError, match=r"model output 'g' is not one value per row: its rows have shape \(4,\) "
+                                         r"for one batch size and \(3,\) for another"):
+        feeder.predict(sess, src, tmp_path / "out", keep=["id"], batch_size=4, progress=False)
+    assert not [f for f in our_files(tmp_path / "out") if "part-" in f]
+    result = feeder.predict(sess, src, tmp_path / "out", keep=["id"], outputs=["y"], batch_size=4, progress=False)
+    assert result.rows == 10

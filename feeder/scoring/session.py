@@ -155,6 +155,7 @@ class PredictSession:
                 return
             arrays = [batch.arrays[i] for i in self._model_pos]
             n = batch.rows
+            row_shapes: Dict[str, Any] = {}
             for k in ((n, n - 1) if n > 1 else (1, 2)):
                 feeds = {name: (a[:k] if k <= len(a) else np.concatenate([a, np.repeat(a[-1:], k - len(a), axis=0)]))
                          for name, a in zip(self.model_inputs, arrays)}
@@ -165,6 +166,15 @@ class PredictSession:
                         raise ValueError(f"model output {name!r} is not one value per row: {k} input rows gave it "
                                          f"shape {shape} (a reduction over the batch?); feeder.predict writes per-row "
                                          f"outputs (choose them with outputs=)")
+                    # A row whose shape follows the batch's row count (x @ x.T, [N, N]) is no row of its
+                    # own: its batches would not even stack into one column (and the last, short batch
+                    # failed inside ONNX Runtime, on the output buffers bound for the others).
+                    seen = row_shapes.setdefault(name, tuple(shape[1:]))
+                    if seen != tuple(shape[1:]):
+                        raise ValueError(f"model output {name!r} is not one value per row: its rows have shape "
+                                         f"{seen} for one batch size and {tuple(shape[1:])} for another (they depend "
+                                         f"on the batch); feeder.predict writes per-row outputs (choose them with "
+                                         f"outputs=)")
             self._rows_checked = True
 
     def _run_bound(self, batch: PreparedBatch, rows: int, run_options: Any) -> List[np.ndarray]:
