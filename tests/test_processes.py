@@ -808,6 +808,25 @@ def test_a_big_array_a_fetch_function_holds_lies_in_memory_numpy_allocated_in_th
     assert row == [1, 1, 1, 0, float(big[-1, -1]), 12345.0, 3.0, 1 << 20, 1]
 
 
+def test_arrays_numpy_cannot_export_or_too_big_to_copy_at_start_travel_as_before(monkeypatch):
+    # datetime64 has no buffer protocol: such a fetch function could no longer be sent at all. And
+    # the rebuild is one more copy at a worker's start: arrays beyond OWNED_MAX_BYTES are left as
+    # they were (a 400 MiB array raised the start-up peak by 400 MiB more).
+    import pickle
+
+    from feeder.processes import sending
+
+    when = np.arange(1 << 20).astype("datetime64[s]")  # 8 MiB
+    back = pickle.loads(sending.dumps(when))
+    assert back.dtype == when.dtype and np.array_equal(back, when)
+    monkeypatch.setattr(sending, "OWNED_MAX_BYTES", 6 << 20)
+    big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: over the (lowered) cap
+    small = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: rebuilt
+    got_big, got_small = pickle.loads(sending.dumps((big, small)))
+    assert not got_big.flags.owndata and got_small.flags.owndata
+    assert np.array_equal(got_big, big) and np.array_equal(got_small, small)
+
+
 def check_id_rows(batch) -> np.ndarray:
     assert (batch["x"] == batch["id"][:, None]).all()
     return batch["id"].copy()

@@ -68,7 +68,10 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
                 if region is not None:
                     return region.open, (type(obj) is np.memmap,)
                 if _owned_in_child(obj):
-                    buf = pickle.PickleBuffer(obj)  # type: ignore[arg-type]  # (numpy's stubs: not a Buffer)
+                    try:
+                        buf = pickle.PickleBuffer(obj)  # type: ignore[arg-type]  # (numpy's stubs: not a Buffer)
+                    except (ValueError, BufferError, TypeError):  # a dtype numpy does not export: as before
+                        return super().reducer_override(obj)
                     return _owned_array, (buf, obj.dtype, obj.shape, obj.flags.writeable)
             return super().reducer_override(obj)
 
@@ -80,6 +83,10 @@ def dumps(obj: Any, buffer_callback: Optional[Callable[[Any], Any]] = None) -> b
 # numpy advises transparent huge pages for the arrays it allocates from this size on (Linux); an
 # array rebuilt from a pickle lies in the pickle's bytes instead, on small pages.
 OWNED_BYTES = 4 << 20
+# ... up to this size: the rebuild is one more copy while the pickle is still held (a worker
+# process's start-up peak grows by it). A bigger dataset belongs in a memory-mapped file, which
+# travels as its file.
+OWNED_MAX_BYTES = 256 << 20
 
 
 def _owned_in_child(a: np.ndarray) -> bool:
@@ -90,8 +97,8 @@ def _owned_in_child(a: np.ndarray) -> bool:
     parent lies on huge pages that numpy asked for. Every read of it then missed the TLB more:
     with 3 MB chunks cut from a 50 MB array, two worker processes fed 6-8% fewer rows per second
     (benchmarks/compare.py, s-large) than with the array copied once into numpy's own memory."""
-    return (type(a) is np.ndarray and a.nbytes >= OWNED_BYTES and not a.dtype.hasobject
-            and a.flags.c_contiguous)
+    return (type(a) is np.ndarray and OWNED_BYTES <= a.nbytes <= OWNED_MAX_BYTES and not a.dtype.hasobject
+            and a.dtype.kind not in "mM" and a.flags.c_contiguous)  # (datetimes: no buffer protocol)
 
 
 def _owned_array(buf: Any, dtype: np.dtype, shape: Any, writeable: bool) -> np.ndarray:
