@@ -266,12 +266,14 @@ class ChunkValidator:
                 hint = "" if self.cast else " (cast=True converts safe casts)"
                 raise self._fail(worker_id, name, f"dtype {want}{_LEARNED if learned else ''}",
                                  f"dtype {a.dtype}{hint}")
-            if want.kind in "iu" and a.dtype.kind in "iu":
+            # (rows that hold no value at all, [] or shape (n, 0), have no range to check)
+            valued = bool(a.sizes().sum()) if isinstance(a, Ragged) else bool(a.size)
+            if want.kind in "iu" and a.dtype.kind in "iu" and valued:
                 info = np.iinfo(want)
                 lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
                 if lo < info.min or hi > info.max:
                     raise self._fail(worker_id, name, f"values that fit {want}", f"{a.dtype} values in [{lo}, {hi}]")
-            if want.kind in "fc" and a.dtype.kind in "iu" and _inexact_ints(a.dtype, want):
+            if want.kind in "fc" and a.dtype.kind in "iu" and valued and _inexact_ints(a.dtype, want):
                 lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
                 self._check_exact(worker_id, name, a.dtype, want, lo, hi)
             a = a.astype(want)

@@ -259,6 +259,22 @@ def test_cast_refuses_integers_the_float_input_cannot_hold_exactly(src, dst, exa
     assert v([np.array([[1], [2]], np.int16)], 3)[0].dtype == dst  # small integers of any type pass
 
 
+def test_cast_of_padded_integer_rows_that_hold_no_value_converts_them():
+    # The range checks took min() of no values: "zero-size array to reduction operation minimum".
+    from feeder.ragged import Ragged
+    from feeder.validation import ChunkValidator, InputSpec
+
+    spec = InputSpec("x", np.dtype(np.float32), (None, None), pad=0)
+    v = ChunkValidator("s", ["x"], [0], [spec], cast=True, dont_rebatch=False)
+    for chunk in ([np.zeros(0, np.int64), np.zeros(0, np.int64)], np.zeros((2, 0), np.int64)):
+        out = v((chunk,), 0)[0]
+        assert out.dtype == np.float32 and len(out) == 2 and not (out.sizes().sum() if isinstance(out, Ragged)
+                                                                    else out.size)
+    spec = InputSpec("x", np.dtype(np.int32), (None, None), pad=0)
+    v = ChunkValidator("s", ["x"], [0], [spec], cast=True, dont_rebatch=False)
+    assert v(([np.zeros(0, np.int64)],), 0)[0].dtype == np.int32
+
+
 def test_cast_keeps_infinities_and_nans_that_were_there():
     from feeder.validation import ChunkValidator, InputSpec
 
