@@ -33,6 +33,7 @@ BLOCKED_SHARE = 0.2        # fetchers blocked on a full queue this share of thei
 GIL_CORES = 1.3            # threads using at most this many cores in all (with >= 2 busy): GIL-bound
 CPU_BOUND = 0.6            # a fetcher using this share of a core while busy is CPU-bound
 COPY_BOUND = 0.6           # the device's copies busy this share of the time (one stream): copy-bound
+COPY_MOST = 0.25           # ... and below that, named as the most used stage from this share on
 ASSEMBLE_BOUND = 0.5       # the assembling threads busy this share of their capacity: assemble-bound
 
 
@@ -158,7 +159,9 @@ def _feeding_bound(t: StageTimes, fetching: float) -> Optional[str]:
                 f"fewer bytes (uint8 inputs cast on the device by the model rather than float32), and make sure "
                 f"batches come from pinned or registered memory (worker processes' chunks go to the device straight "
                 f"from their shared memory; the log says when pinned memory could not be had).")
-    if t.device and copy_use > 0 and copy_use >= fetch_use and copy_use >= assemble_use:
+    blocked = t.fetch_blocked_s / t.fetch_wall_s if t.fetch_wall_s > 0 else 0.0
+    if t.device and copy_use >= COPY_MOST and copy_use >= fetch_use and copy_use >= assemble_use \
+            and blocked < BLOCKED_SHARE:
         # No stage is saturated, but the copy is the most used: the fetchers' advice ("more
         # threads help", for fetchers that mostly wait) would send the user the wrong way.
         consumer = t.consumer_wait_s + t.consumer_run_s + t.consumer_between_s

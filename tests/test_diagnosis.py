@@ -223,6 +223,12 @@ def test_a_device_feed_whose_copy_is_its_most_used_stage_is_never_told_to_add_fe
     assert "num_worker_threads" not in text and "more worker threads" not in text
     # the fetchers more used than the copy: theirs is the advice
     assert "more worker threads help" in verdict(times(fetch_s=8.0, fetch_cpu_s=1.0, copy_s=2.0, device=True))
+    # a copy of little use names nothing: fetchers blocked on a full queue, or processes waiting for
+    # the parent, keep their own advice
+    blocked = verdict(times(fetch_s=1.0, fetch_cpu_s=0.5, fetch_blocked_s=18.0, copy_s=0.3, device=True))
+    assert "blocked on a full queue 90%" in blocked and "most used" not in blocked, blocked
+    waiting = verdict(times(mode="processes", fetch_s=2.0, fetch_cpu_s=1.0, copy_s=1.2, device=True))
+    assert "waited for the parent" in waiting and "most used" not in waiting, waiting
 
 
 def test_an_assemble_bound_feed_is_named_so_with_its_threads():
