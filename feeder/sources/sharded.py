@@ -444,7 +444,7 @@ class ShardedSource(Transformable):
         or mapped) keeps only each row's index and key in the window, and gathers the draw from its
         arrays: one copy of each row, as a shuffled unit costs; others keep the rows themselves.
         An ordered run that resumes starts from each window as it was at the checkpoint
-        (:meth:`_window_start`), and may first return SKIP or the rest of a cut draw."""
+        (:meth:`_new_window`), and may first return SKIP or the rest of a cut draw."""
         window = self._windows.get(worker_id)
         if window is None:
             window = self._windows[worker_id] = self._new_window(worker_id)
@@ -457,24 +457,22 @@ class ShardedSource(Transformable):
                 (rows, keys), start.first = start.first, None
                 return self._cut_draw(rows, keys, start.head, worker_id)
         by_index = self.gathers_rows
-        last = 0
-        while window.wants_more():
+
+        def next_piece() -> Optional[List[Any]]:
             try:
                 if start is not None:
                     unit, rows, keys = self._replayed_rows(start)
                 else:
                     unit, rows, keys = self._next_rows(worker_id, stored_order=True)
             except StopIteration:
-                window.ended = True
-                break
-            last = len(keys)
+                return None
             if by_index:
-                window.add([rows + int(self._offsets[unit]), keys])
-            else:
-                window.add(self._read(unit, rows, worker_id) + [keys])
-        if not window.rows:
+                return [rows + int(self._offsets[unit]), keys]
+            return self._read(unit, rows, worker_id) + [keys]
+
+        drawn = window.draw(next_piece, int(self._units.max()))
+        if drawn is None:
             raise StopIteration
-        drawn = window.take(last or int(self._units.max()))
         if by_index:
             return self._gather(drawn[0]) + [drawn[1]]
         return drawn

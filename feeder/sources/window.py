@@ -27,7 +27,7 @@ Pure logic (numpy, no threads): one :class:`ShuffleWindow` per worker, used by t
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Set
+from typing import Any, Callable, List, Optional, Set
 
 import numpy as np
 
@@ -87,6 +87,23 @@ class ShuffleWindow:
 
     def wants_more(self) -> bool:
         return not self.ended and self.rows < self.capacity
+
+    def draw(self, next_piece: Callable[[], Optional[List[Any]]], largest: int) -> Optional[List[Any]]:
+        """One call of a worker: top the window up with ``next_piece()`` (a unit's piece, keys last;
+        None once the worker's units are all read), then draw as many rows as the last piece read
+        had (``largest`` when it read none); None when it holds nothing more. A source's calls and
+        their replay (feeder.sources.windowreplay) both go through here, so they draw alike."""
+        last = 0
+        while self.wants_more():
+            piece = next_piece()
+            if piece is None:
+                self.ended = True
+                break
+            last = len(piece[-1])
+            self.add(piece)
+        if not self.rows:
+            return None
+        return self.take(last or largest)
 
     def add(self, arrays: List[np.ndarray]) -> None:
         n = len(arrays[0])
@@ -208,9 +225,10 @@ class ShuffleWindow:
 
     def repaint(self, values: List[np.ndarray], by_row: Set[int]) -> None:
         """Hold ``values`` (one array per input, in the order of :meth:`held`; for the inputs in
-        ``by_row``, whose rows differ in shape, an object array of the rows) in place of buffer 0 for each row held, the
-        last buffer (the row keys) kept. A window replayed with row indices alone (feeder.sources.
-        windowreplay) becomes the window of the rows themselves: its next draws are the same."""
+        ``by_row``, whose rows differ in shape, an object array of the rows) in place of buffer 0
+        for each row held, the last buffer (the row keys) kept. A window replayed with row indices
+        alone (feeder.sources.windowreplay) becomes the window of the rows themselves: its next
+        draws are the same."""
         bufs = self._buffers
         if bufs is None or not self.rows:
             self._buffers, self._by_row = None, set()

@@ -103,15 +103,10 @@ def _draw(window: ShuffleWindow, cursor: Dict[int, int], w: int, step: int, next
           largest_unit: int) -> Optional[List[np.ndarray]]:
     """One call of worker ``w`` (the source's ``_from_window``, rows as indices): its draw, or None
     where the call raises StopIteration."""
-    last = 0
-    while window.wants_more():
+
+    def next_piece() -> Optional[List[np.ndarray]]:
         got = next_unit(cursor[w])
         cursor[w] += step
-        if got is None:
-            window.ended = True
-            break
-        last = len(got[1])
-        window.add([got[0], got[1]])
-    if not window.rows:
-        return None
-    return window.take(last or largest_unit)
+        return None if got is None else [got[0], got[1]]
+
+    return window.draw(next_piece, largest_unit)
