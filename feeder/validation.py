@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -267,15 +267,9 @@ class ChunkValidator:
                 raise self._fail(worker_id, name, f"dtype {want}{_LEARNED if learned else ''}",
                                  f"dtype {a.dtype}{hint}")
             # (rows that hold no value at all, [] or shape (n, 0), have no range to check)
-            valued = bool(a.sizes().sum()) if isinstance(a, Ragged) else bool(a.size)
-            if want.kind in "iu" and a.dtype.kind in "iu" and valued:
-                info = np.iinfo(want)
-                lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
-                if lo < info.min or hi > info.max:
-                    raise self._fail(worker_id, name, f"values that fit {want}", f"{a.dtype} values in [{lo}, {hi}]")
-            if want.kind in "fc" and a.dtype.kind in "iu" and valued and _inexact_ints(a.dtype, want):
-                lo, hi = a.value_range() if isinstance(a, Ragged) else (a.min(), a.max())
-                self._check_exact(worker_id, name, a.dtype, want, lo, hi)
+            if a.sizes().sum() if isinstance(a, Ragged) else a.size:
+                self._check_int_cast(worker_id, name, a.dtype, want,
+                                     lambda: a.value_range() if isinstance(a, Ragged) else (a.min(), a.max()))
             a = a.astype(want)
         if spec.shape is not None and not empty:
             if rank != len(spec.shape):
@@ -365,14 +359,8 @@ class ChunkValidator:
         if want is None or a.dtype == want:
             return a
         if self.cast and can_cast(a.dtype, want):
-            if want.kind in "iu" and a.dtype.kind in "iu" and a.size:
-                info = np.iinfo(want)
-                lo, hi = a.min(), a.max()
-                if lo < info.min or hi > info.max:
-                    raise self._fail(worker_id, spec.name, f"values that fit {want}",
-                                     f"{a.dtype} values in [{lo}, {hi}]")
-            if want.kind in "fc" and a.dtype.kind in "iu" and a.size and _inexact_ints(a.dtype, want):
-                self._check_exact(worker_id, spec.name, a.dtype, want, a.min(), a.max())
+            if a.size:
+                self._check_int_cast(worker_id, spec.name, a.dtype, want, lambda: (a.min(), a.max()))
             if not (want.kind == "f" and a.size and _may_overflow(a.dtype, want)):
                 return a.astype(want)
             # A safe cast never turns a finite value into an infinite one (float64 1e39 -> float32).
@@ -390,10 +378,23 @@ class ChunkValidator:
         hint = "" if self.cast else " (cast=True converts safe casts)"
         raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
 
-    def _check_exact(self, worker_id: int, name: str, have: np.dtype, want: np.dtype, lo: Any, hi: Any) -> None:
-        """InputValidationError unless integers in [lo, hi] all convert to ``want`` exactly: a cast
-        is safe when the values fit, and 2**24 + 1 as a float32 is 2**24 (an id, a count or a
-        timestamp silently changed)."""
+    def _check_int_cast(self, worker_id: int, name: str, have: np.dtype, want: np.dtype,
+                        bounds: Callable[[], Tuple[Any, Any]]) -> None:
+        """InputValidationError for integers that a safe cast to ``want`` would change: outside an
+        integer type's range, or without an exact value in a float type (2**24 + 1 as a float32 is
+        2**24: an id, a count or a timestamp silently changed). ``bounds()``: the smallest and the
+        largest value, asked for only where a check is due."""
+        if have.kind not in "iu":
+            return
+        if want.kind in "iu":
+            info = np.iinfo(want)
+            lo, hi = bounds()
+            if lo < info.min or hi > info.max:
+                raise self._fail(worker_id, name, f"values that fit {want}", f"{have} values in [{lo}, {hi}]")
+            return
+        if want.kind not in "fc" or not _inexact_ints(have, want):
+            return
+        lo, hi = bounds()
         exact = 2 ** (np.finfo(want).nmant + 1)
         if int(lo) < -exact or int(hi) > exact:
             worst = int(hi) if abs(int(hi)) >= abs(int(lo)) else int(lo)
