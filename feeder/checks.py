@@ -220,9 +220,10 @@ def arrays_of(session: Any, input_names: Optional[Sequence[str]], fetch_fun: Any
 
 
 def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_source_name: str,
-                     session: Any = None, placement: Placement = CPU) -> Tuple[str, Optional[int]]:
-    """(``last_batch``, the rows ``run()`` pads a short batch to, or None) where an input's batch
-    dimension is fixed: the runtime cannot take a short batch there.
+                     session: Any = None, placement: Placement = CPU) -> Tuple[str, bool]:
+    """(``last_batch``, whether ``run()`` pads a short batch to the batch size) where an input's
+    batch dimension is fixed (to the batch size, or registration refused it): the runtime cannot
+    take a short batch there.
 
     ``"keep"`` keeps the short last batch: ``next_batch()`` gives it as it is, and ``run()`` of an
     InferenceSession on the host pads it to the fixed size (its last row repeated) and returns the
@@ -232,25 +233,20 @@ def short_last_batch(last_batch: str, arrays: Arrays, dont_rebatch: bool, input_
     mask_specs = arrays.mask_specs
     fixed = fixed_batch_inputs(arrays.specs + mask_specs, arrays.axes + [0] * len(mask_specs))
     if not fixed or dont_rebatch or last_batch != "keep":
-        return last_batch, None
+        return last_batch, False
     custom = callable(getattr(session, "run_batch", None))
     fed_on_axis_0 = all(ax == 0 for spec, ax in zip(arrays.specs, arrays.axes) if not spec.kept)
     if session is not None and not custom and not placement.on_device and fed_on_axis_0:
-        sizes: List[int] = []
-        for spec, ax in zip(arrays.specs + mask_specs, arrays.axes + [0] * len(mask_specs)):
-            dim = spec.shape[ax] if spec.name in fixed and spec.shape is not None else None
-            if dim is not None:
-                sizes.append(int(dim))
         log.info("source %r: input(s) %s have a fixed batch dimension: run() pads a finite source's short last "
                  "batch to it (its last row repeated) and returns the outputs of its own rows", input_source_name,
                  fixed)
-        return "keep", sizes[0]
+        return "keep", True
     why = ("a training session would train on padded rows" if custom else
            "a device feed's slots hold whole batches" if placement.on_device else
            "an input's batch axis is not its first")
     log.info("source %r: input(s) %s have a fixed batch dimension, so a finite source's short last batch will be "
              "dropped (last_batch='drop'; %s)", input_source_name, fixed, why)
-    return "drop", None
+    return "drop", False
 
 
 # ---- the source ---------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ class Feed(Pump):
                  log_interval: float, validator: ChunkValidator, max_fetch_errors: int, auto: bool = False,
                  resume_from: Optional[Dict[str, Any]] = None, processes: Optional[ProcessOptions] = None,
                  placement: Optional[Placement] = None, padding: Optional[Padding] = None,
-                 kept: Sequence[str] = (), assemble_threads: Optional[int] = None, pad_short: Optional[int] = None):
+                 kept: Sequence[str] = (), assemble_threads: Optional[int] = None, pad_short: bool = False):
         self._coordinator = coordinator
         self.source = source
         self.session = session
@@ -136,8 +136,8 @@ class Feed(Pump):
         self.dont_rebatch = dont_rebatch
         self.timeout = float(timeout)
         self.last_batch = last_batch
-        # A fixed batch dimension and last_batch="keep": run() pads the short last batch to this
-        # many rows and returns its own rows' outputs (feeder.checks.short_last_batch).
+        # A fixed batch dimension (the batch size) and last_batch="keep": run() pads the short last
+        # batch to the batch size and returns its own rows' outputs (feeder.checks.short_last_batch).
         self._pad_short = pad_short
         self.log_interval = float(log_interval)
         self.max_fetch_errors = max_fetch_errors
@@ -578,7 +578,7 @@ class Feed(Pump):
             t0 = time.monotonic()
         if tracer is not None and t0 > start:
             tracer.span("wait", start, t0, rows=batch.rows)
-        short = self._pad_short is not None and batch.rows < self._pad_short
+        short = self._pad_short and batch.rows < self._batch_size
         try:
             if short:
                 try:
@@ -598,13 +598,12 @@ class Feed(Pump):
         """The short last batch padded to the fixed batch size for the runtime: its rows, then its
         ``fill`` row ("last" or "first") repeated (rows of the data; Runner.run_padded runs both
         to tell the outputs with one row per batch row, which it cuts back, from the others)."""
-        assert self._pad_short is not None
-        n, extra = batch.rows, self._pad_short - batch.rows
+        n, extra = batch.rows, self._batch_size - batch.rows
         arrays = []
         for a in batch.host_arrays():  # (batch axis 0: feeder.checks.short_last_batch)
             row = a[n - 1:n] if fill == "last" else a[:1]
             arrays.append(np.concatenate([a, np.repeat(row, extra, axis=0)]))
-        padded = PreparedBatch(batch.names, arrays, self._pad_short)
+        padded = PreparedBatch(batch.names, arrays, self._batch_size)
         padded.unfed = batch.unfed if batch.unfed is not None else {}
         return padded
 
