@@ -16,7 +16,7 @@ import numpy as np
 
 from ..ragged import Ragged
 from .base import SKIP, SourceBinding
-from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share
+from .sharding import Piece, PieceWalk, RankPlan, check_shard, is_complete, shard_of, share, undelivered
 from .state import check_state, ranges_of
 from .transform import Transformable
 from .window import ShuffleWindow, narrowed
@@ -220,12 +220,9 @@ class ShardedSource(Transformable):
                 plan.append((unit, None))  # nothing of it was delivered
                 continue
             positions = np.arange(size, dtype=np.int64)
-            keys = lo + positions
-            j = np.searchsorted(stops, keys, side="right")
-            safe = np.minimum(j, len(starts) - 1)
-            done = (j < len(starts)) & (starts[safe] <= keys)
-            if not done.all():
-                plan.append((unit, positions[~done]))
+            left = undelivered(lo + positions, ranges)
+            if left.any():
+                plan.append((unit, positions[left]))
         return plan
 
     def _locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from .sharding import undelivered
 from .window import ShuffleWindow
 
 # The unit at a sequence index of the run's (unresumed) sequence: (row indices in the table, in the
@@ -47,16 +48,6 @@ class WorkerStart:
     first: Optional[List[np.ndarray]]   # (row indices, keys) of the draw of the turn the checkpoint cut ...
     head: int                           # ... of which it returns the rows after this many first
     skip: bool                          # its turn in the checkpoint's round was taken: return SKIP first
-
-
-def delivered_mask(keys: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    """Whether each key lies in ``ranges`` (sorted, disjoint [start, stop) rows)."""
-    if not len(ranges):
-        return np.zeros(len(keys), dtype=bool)
-    i = np.searchsorted(ranges[:, 1], keys, side="right")
-    safe = np.minimum(i, len(ranges) - 1)
-    done: np.ndarray = (i < len(ranges)) & (ranges[safe, 0] <= keys)
-    return done
 
 
 def replay(workers: Sequence[int], capacity: int, rng_of: Callable[[int], np.random.Generator],
@@ -83,7 +74,7 @@ def replay(workers: Sequence[int], capacity: int, rng_of: Callable[[int], np.ran
             ended.add(w)
             pos += 1
             continue
-        done = delivered_mask(drawn[1], ranges)
+        done = ~undelivered(drawn[1], ranges)
         head = int(done.sum())
         if head == len(done):  # a turn delivered whole: on to the next
             left -= head
