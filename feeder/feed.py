@@ -176,6 +176,8 @@ class Feed(Pump):
             self._ring = ByteRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)
             self._rebatcher = PadRebatcher(self._batch_size, self._axes, padding.pads, padding.multiple,
                                            padding.window, self._ring, keyed=self._keyed)
+            if self._keyed and source.row_keys is not None:  # (a resumed run rounds as the first run did)
+                self._rebatcher.seed_varies(source.row_keys.pad_varies())
         else:
             # Batches the rebatcher assembles: in staging memory the device copies from fast, on a device.
             self._ring = BufferRing(READY_MAX + 2, allocate=self._runner.host_allocator if self._runner else None)

@@ -189,7 +189,9 @@ class PadRebatcher:
         self._pad_list = list(pads)
         self._multiple = multiple
         # Per padded input, the axes of its rows along which rows have differed so far: those are
-        # rounded up to ``multiple`` from then on (see _dims).
+        # rounded up to ``multiple`` from then on (see _dims). Part of a source's state (each batch
+        # carries what it was after it, ``PadPlan.varies``), so that a resumed run rounds as the
+        # uninterrupted run would have: ``seed_varies``.
         self._varies: Dict[int, Set[int]] = {}
         self.window = window
         self._ring = ring
@@ -211,6 +213,16 @@ class PadRebatcher:
         self.padded_elements = 0    # ... and those that hold the pad value
 
     # ---- the Rebatcher's interface ------------------------------------------------------------
+    def seed_varies(self, varies: Optional[Dict[str, Sequence[int]]]) -> None:
+        """Start from the axes a checkpoint says rows had differed along (``state["pad_varies"]``:
+        per padded input's name, axes of its rows), as if the batches before it were made here."""
+        if not varies or not self._multiple:
+            return
+        for i, pad in self._pads.items():
+            axes = varies.get(pad.name)
+            if axes:
+                self._varies.setdefault(i, set()).update(int(a) for a in axes)
+
     def set_batch_size(self, batch_size: int) -> None:
         """Change the batch size; rows already held are kept (batches already cut are cut again)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -485,8 +497,11 @@ class PadRebatcher:
         self.copied_bytes += nbytes
         self.copied_batches += 1
         self.last_nbytes = nbytes
-        return PadPlan(n, self._axes, plans, shapes + mask_shapes, dtypes + mask_dtypes, len(shapes), self._mask_at,
+        plan = PadPlan(n, self._axes, plans, shapes + mask_shapes, dtypes + mask_dtypes, len(shapes), self._mask_at,
                        nbytes)
+        if self._multiple:  # (without rounding the history decides nothing: no state needs it)
+            plan.varies = {self._pads[i].name: sorted(v) for i, v in self._varies.items() if v} or None
+        return plan
 
 
 class PadPlan:
@@ -497,6 +512,7 @@ class PadPlan:
     parts = None  # (a padded batch is always written: no piece lands as it is)
     views = None
     direct = False
+    varies: Optional[Dict[str, List[int]]] = None  # PadRebatcher._varies after this batch, by input name
 
     def __init__(self, rows: int, axes: Sequence[int], plans: List[Any], shapes: List[Tuple[int, ...]],
                  dtypes: List[np.dtype], inputs: int, mask_at: int, source_nbytes: int):

@@ -340,6 +340,7 @@ class Pump:
                                   nbytes=plan.nbytes if plan.source_nbytes is None else plan.source_nbytes)
             if keys is not None:
                 batch.keys = keys
+                batch.pad_varies = getattr(plan, "varies", None)  # (a padded plan's; the source's state keeps it)
             if plan.direct:  # its rows go to the device from where they lie (see _stage)
                 n = len(arrays)
                 batch.pieces = [tuple(p) for p in plan.parts[:n]]

@@ -648,3 +648,67 @@ def test_a_fetch_function_returning_a_masks_name_is_told_which_mask_it_is(coord)
                                                                  r"name of the mask pad= makes for input 'tokens'.*"
                                                                  r"mask_names=\{'tokens': 'tokens_pad_mask'\}"):
         coord.feed("train").next_batch(timeout=10)
+
+
+@pytest.mark.parquet
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_ordered_resume_rounds_the_axes_the_first_run_had_seen_vary(tmp_path, mode):
+    # Rows [L, 2]: L is rounded to pad_to_multiple_of once rows have differed along it, in this batch
+    # or an earlier one. A resumed run must know about the earlier ones (the state carries them), or
+    # its batches after the checkpoint come out (4, 5, 2) where the uninterrupted run's were (4, 8, 2).
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from feeder.sources import ParquetSource
+
+    lengths = [3, 3, 3, 3, 3, 5, 3, 3, 5, 5, 5, 5, 2, 2, 2, 2]
+    frames = [[[k * 10 + j, 1] for j in range(n)] for k, n in enumerate(lengths)]
+    path = str(tmp_path / "f.parquet")
+    pq.write_table(pa.table({"id": np.arange(16), "frames": pa.array(frames, pa.list_(pa.list_(pa.int64(), 2)))}),
+                   path, row_group_size=4)
+
+    def run(take=None, resume=None):
+        coord = feeder.GlobalCoordinator(join_timeout=3.0)
+        feeder.init_data_input_workers(None, ["id", "frames"], ParquetSource(path), 4, coordinator=coord,
+                                       ordered=True, pad={"frames": 0}, pad_to_multiple_of=8, resume_from=resume,
+                                       **workers(mode, 1))
+        got = []
+        with coord:
+            for b in coord.feed("train"):
+                got.append((b["frames"].shape, b["id"].tolist(), b["frames"].tolist()))
+                if len(got) == take:
+                    break
+            return got, json.loads(json.dumps(coord.state_dict("train")))
+
+    whole, end_state = run()
+    assert [s for s, _, _ in whole] == [(4, 3, 2), (4, 8, 2), (4, 8, 2), (4, 8, 2)]
+    assert end_state["pad_varies"] == {"frames": [0]}
+    for take in (1, 2, 3):
+        before, state = run(take)
+        assert ("pad_varies" in state) == (take >= 2), state  # rows first differed in the second batch
+        after, _ = run(resume=state)
+        assert before + after == whole, take
+
+
+def test_merge_states_keeps_every_ranks_rounding_history_and_a_bad_one_is_refused():
+    from feeder.sources import ArraySource, merge_states
+    from feeder.sources.state import pad_varies_of
+
+    coord = feeder.GlobalCoordinator()
+    src = ArraySource({"x": np.arange(8)})
+    feeder.init_data_input_workers(None, ["x"], src, 4, coordinator=coord, num_worker_threads=1)
+    with coord:
+        list(coord.feed("train"))
+        base = coord.state_dict("train")
+    states = []
+    for rank, varies in enumerate([{"frames": [0]}, {"frames": [1], "audio": [0]}]):
+        st = dict(base, pad_varies=varies, shard={"world": 2, "ranks": [rank]})
+        states.append(st)
+    merged = merge_states(states)
+    assert merged["pad_varies"] == {"frames": [0, 1], "audio": [0]}
+    with pytest.raises(ValueError, match="pad_varies"):
+        pad_varies_of({"pad_varies": {"frames": ["0"]}})
+    coord2 = feeder.GlobalCoordinator()
+    with pytest.raises(ValueError, match="pad_varies"):
+        feeder.init_data_input_workers(None, ["x"], ArraySource({"x": np.arange(8)}), 4, coordinator=coord2,
+                                       resume_from=dict(base, pad_varies=[0]))

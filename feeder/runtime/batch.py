@@ -19,7 +19,7 @@ class PreparedBatch:
     shapes) has no host array of those inputs until asked (:meth:`as_dict` writes them)."""
 
     __slots__ = ("names", "arrays", "ortvalues", "rows", "nbytes", "keys", "binding", "outputs", "output_names",
-                 "output_where", "shape_key", "slot", "unfed", "ticket", "pieces", "meta")
+                 "output_where", "shape_key", "slot", "unfed", "ticket", "pieces", "meta", "pad_varies")
 
     def __init__(self, names: Sequence[str], arrays: Sequence[Any], rows: int,
                  ortvalues: Optional[List[Any]] = None, nbytes: Optional[int] = None):
@@ -39,6 +39,7 @@ class PreparedBatch:
         self.ticket: Any = None                 # its copy to the device (feeder.device.Ticket)
         self.pieces: Optional[List[Tuple[np.ndarray, ...]]] = None  # per input: the pieces copied straight
         self.meta: Optional[List[Tuple[np.dtype, Tuple[int, ...]]]] = None  # per input: dtype and shape
+        self.pad_varies: Optional[Dict[str, List[int]]] = None  # feeder.padding's rounding history after it
 
     def host_arrays(self) -> Sequence[np.ndarray]:
         """The batch's arrays on the host, written now from its pieces where it has none."""

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from ..validation import InputSpec
 from .base import ROW_KEY
-from .state import STATE_FORMAT, ranges_of
+from .state import STATE_FORMAT, pad_varies_of, ranges_of
 
 log = logging.getLogger("feeder")
 
@@ -118,9 +118,13 @@ class KeyLedger:
     docstring). ``filtered``: how many of them were filtered (those of ``ranges`` included); the
     filtered keys still loose are apart (``loose_filtered``)."""
 
-    def __init__(self, source: str, ranges: Optional[np.ndarray] = None, filtered: int = 0):
+    def __init__(self, source: str, ranges: Optional[np.ndarray] = None, filtered: int = 0,
+                 pad_varies: Optional[Dict[str, List[int]]] = None):
         self.source = source
         self._lock = threading.Lock()
+        # Per padded input, the axes its rows had differed along by the last batch delivered
+        # (feeder.padding rounds those): what a resumed run must start from to shape its batches alike.
+        self._pad_varies: Dict[str, Set[int]] = {k: set(v) for k, v in (pad_varies or {}).items()}
         self._ranges = np.zeros((0, 2), np.int64) if ranges is None else merge_ranges(ranges)[0]
         self._pending: List[np.ndarray] = []       # keys recorded, not yet merged into the ranges
         self._pending_runs: List[np.ndarray] = []  # ... and batches of consecutive keys, as ranges
@@ -141,13 +145,23 @@ class KeyLedger:
         checkpoints cover the rows done before the resume too)."""
         if state is None:
             return cls(source)
-        return cls(source, ranges_of(state), int(state.get("rows_filtered", 0) or 0))
+        return cls(source, ranges_of(state), int(state.get("rows_filtered", 0) or 0), pad_varies_of(state))
 
     def record(self, item: Any) -> None:
         """Called with every item a feed's ready queue pops, under that queue's lock: cheap."""
         keys = getattr(item, "keys", None)
         if keys is not None:
             self.record_keys(keys)
+        varies = getattr(item, "pad_varies", None)
+        if varies:
+            with self._lock:
+                for name, axes in varies.items():
+                    self._pad_varies.setdefault(name, set()).update(axes)
+
+    def pad_varies(self) -> Dict[str, List[int]]:
+        """Per padded input, the axes its rows had differed along by the last batch delivered."""
+        with self._lock:
+            return {k: sorted(v) for k, v in self._pad_varies.items() if v}
 
     def record_keys(self, keys: np.ndarray) -> None:
         """Record the keys of rows delivered (or committed: feeder.predict)."""
@@ -262,4 +276,7 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
         state["shard"] = record
     if filtered:
         state["rows_filtered"] = filtered
+    varies = ledger.pad_varies()
+    if varies:
+        state["pad_varies"] = varies
     return state

@@ -25,12 +25,12 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .rowkeys import merge_ranges
-from .state import STATE_FORMAT, check_state, ranges_of
+from .state import STATE_FORMAT, check_state, pad_varies_of, ranges_of
 
 Piece = Tuple[int, Optional[np.ndarray]]  # (unit, positions in its row order; None: all of them)
 
@@ -261,6 +261,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     }
     if filtered:
         out["rows_filtered"] = filtered
+    varies: Dict[str, Set[int]] = {}
+    for s in states:  # every rank's rounding history: the merged run rounds where any of them did
+        for name, axes in pad_varies_of(s).items():
+            varies.setdefault(name, set()).update(axes)
+    if varies:
+        out["pad_varies"] = {k: sorted(v) for k, v in varies.items()}
     if merged_rec is not None:
         out["shard"] = merged_rec
     return out

@@ -2,13 +2,15 @@
 
 A state (``coord.state_dict(name)``, format :data:`STATE_FORMAT`) records the source's definition
 (``feeder_definition()``) and the key ranges delivered (``delivered``: ``[start, stop)`` pairs, see
-:mod:`feeder.sources.rowkeys`). A resume checks the definition first (:func:`check_state`): a
-state of another source is refused with a message naming what differs.
+:mod:`feeder.sources.rowkeys`), and for a padded feed that rounds (``pad_to_multiple_of``) the axes
+rows had differed along by then (``pad_varies``, see :func:`pad_varies_of`). A resume checks the
+definition first (:func:`check_state`): a state of another source is refused with a message naming
+what differs.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,6 +22,20 @@ def ranges_of(state: Mapping[str, Any]) -> np.ndarray:
     delivered = state.get("delivered", [])
     arr = np.asarray(delivered, dtype=np.int64).reshape(-1, 2)
     return arr
+
+
+def pad_varies_of(state: Optional[Mapping[str, Any]]) -> Dict[str, List[int]]:
+    """A state's ``pad_varies``: per padded input, the axes of its rows along which rows had
+    differed by the checkpoint (``feeder.padding`` rounds those to ``pad_to_multiple_of``); empty if
+    none. ValueError naming the field for anything else (a state edited by hand, or corrupted)."""
+    raw = (state or {}).get("pad_varies") or {}
+    ok = isinstance(raw, Mapping) and all(
+        isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(a, int) and a >= 0 for a in v)
+        for k, v in raw.items())
+    if not ok:
+        raise ValueError(f"resume_from: 'pad_varies' must map padded input names to lists of axes (ints >= 0), "
+                         f"got {raw!r:.200}")
+    return {k: sorted({int(a) for a in v}) for k, v in raw.items() if v}
 
 
 def check_state(state: Any, definition: Mapping[str, Any]) -> None:
