@@ -363,6 +363,33 @@ def test_ordered_with_a_window_resumes_with_exactly_the_batches_of_the_uninterru
         assert end["rows_delivered"] == 5940
 
 
+@pytest.mark.parametrize("procs", [0, 2])
+@pytest.mark.parametrize("equal", [False, True])
+def test_an_ordered_windowed_rank_resumes_from_its_own_state_with_the_uninterrupted_batches(procs, equal):
+    # A sharded rank's windows used to start empty on resume (every row once, other batches).
+    # Also a rank whose run itself began from a merged state (an elastic resume: its stream is
+    # planned from that basis): its own state then resumes it exactly too.
+    def make(r, world=3):
+        return ArraySource({"x": np.arange(2970)}, shuffle=True, seed=4, epochs=2, block_rows=100,
+                           shard=(r, world), equal_steps=equal, shuffle_window=500)
+
+    kw = dict(workers=2, ordered=True, batch_size=16, procs=procs)
+    for rank in (0, 2):
+        whole = run(make(rank), **kw)[2]
+        for take in ((3, 40) if not procs else (25,)):
+            _, state, got = run(make(rank), take=take, **kw)
+            assert [b.tolist() for b in got] == [b.tolist() for b in whole[:take]]
+            after = run(make(rank), resume=state, **kw)[2]
+            assert [b.tolist() for b in after] == [b.tolist() for b in whole[take:]], (rank, take)
+    # the elastic lineage: 3 ranks stopped, merged, resumed on 2; rank 1 of 2 checkpointed and resumed
+    merged = merge_states([run(make(r), take=5, **kw)[1] for r in range(3)])
+    whole = run(make(1, 2), resume=merged, **kw)[2]
+    _, state, got = run(make(1, 2), resume=merged, take=17, **kw)
+    assert [b.tolist() for b in got] == [b.tolist() for b in whole[:17]]
+    after = run(make(1, 2), resume=state, **kw)[2]
+    assert [b.tolist() for b in after] == [b.tolist() for b in whole[17:]]
+
+
 def test_a_window_resumed_from_a_state_of_another_stream_still_delivers_every_row_once(caplog):
     # An unordered run's state (or one of another worker count) is no prefix of the ordered
     # stream: the windows start empty, as before, and every row still comes once.

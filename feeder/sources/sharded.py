@@ -93,6 +93,7 @@ class ShardedSource(Transformable):
         self._basis = np.zeros((0, 2), np.int64)  # the complete state's ranges the rank plan starts from
         self._basis_filtered = 0  # ... and how many of its rows were filtered (map/filter), not delivered
         self._walk: Optional[PieceWalk] = None
+        self._fresh_walk: Optional[PieceWalk] = None  # the window replay's (see _fresh_locate)
         self._windows: Dict[int, ShuffleWindow] = {}  # worker id -> its window (shuffle_window)
         # ordered + shuffle_window + resume: each worker's window replayed to the checkpoint
         # (feeder.sources.windowreplay); None until the first call works it out, {} for none.
@@ -252,9 +253,10 @@ class ShardedSource(Transformable):
             return unit, epoch, positions
         return int(self._unit_order(epoch)[off]), epoch, None
 
-    def _rank_epochs(self) -> Iterator[Tuple[int, List[Piece]]]:
-        """This rank's pieces of each epoch of the sequence, in order (see feeder.sources.sharding)."""
-        rank = self._rank
+    def _rank_epochs(self, rank: Optional[RankPlan] = None) -> Iterator[Tuple[int, List[Piece]]]:
+        """This rank's pieces of each epoch of the sequence, in order (see feeder.sources.sharding);
+        as ``rank`` cuts them if given (the fresh stream of a window replay)."""
+        rank = rank or self._rank
         assert rank is not None
         for e0, count, planned in self._blocks:
             e = e0
@@ -315,7 +317,7 @@ class ShardedSource(Transformable):
             self._shared = None
             if not binding.ordered and binding.mp_context is not None:
                 self._shared = binding.mp_context.Value("q", 0)
-            self._rank, self._basis, self._walk = rank, basis, None
+            self._rank, self._basis, self._walk, self._fresh_walk = rank, basis, None, None
             self._basis_filtered = basis_filtered
             self._windows = {}
             self._resumed = None
@@ -515,8 +517,13 @@ class ShardedSource(Transformable):
         this feed's stream (feeder.sources.windowreplay); None otherwise (windows start empty,
         and every row not delivered still comes once)."""
         binding = self._binding
-        if (binding is None or not binding.ordered or binding.resume is None or self._rank is not None
-                or not len(self._basis) or len(binding.replicas) != 1 or not len(self._units)):
+        rank = self._rank
+        # What the state lists of this stream: the delivered rows (a rank: its own state's, of which the
+        # basis its stream was planned from is no part), and how many of them came before the stream.
+        ranges = self._basis if rank is None else (rank.own if rank.own is not None else self._basis[:0])
+        before = 0 if rank is None else int((self._basis[:, 1] - self._basis[:, 0]).sum())
+        if (binding is None or not binding.ordered or binding.resume is None or not len(ranges)
+                or len(binding.replicas) != 1 or not len(self._units)):
             return None
 
         def unit_at(index: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
@@ -527,16 +534,25 @@ class ShardedSource(Transformable):
             return rows + int(self._offsets[unit]), keys
 
         starts = replay(binding.worker_ids, self._window_rows(), self._window_rng, unit_at,
-                        int(self._units.max()), _merged(self._basis))
+                        int(self._units.max()), _merged(ranges), before)
         if starts is None:
-            log.info("source %r: the resume state is not where this ordered feed's stream stopped (another worker "
-                     "count, an unordered run, or a filter on the source, whose dropped rows are recorded as they are "
-                     "fetched): the shuffle windows start empty; every row not delivered comes once, not in the "
-                     "batches of the interrupted run", binding.source_name)
+            log.info("source %r: the resume state is not where this ordered feed's stream stopped (another "
+                     "worker count, an unordered run, a merged state of ranks, or a filter on the source, whose "
+                     "dropped rows are recorded as they are fetched): the shuffle windows start empty; every row "
+                     "not delivered comes once, not in the batches of the interrupted run", binding.source_name)
         return starts
 
     def _fresh_locate(self, index: int) -> Optional[Tuple[int, int, Optional[np.ndarray]]]:
-        """(unit, epoch, None) at ``index`` of the sequence of a run that resumes nothing (unsharded)."""
+        """(unit, epoch, positions or None) at ``index`` of the sequence of a run that resumes
+        nothing; a rank's: the sequence its share was cut from at the start of its stream (planned
+        from the basis, none of its own rows taken out)."""
+        rank = self._rank
+        if rank is not None:
+            walk = self._fresh_walk
+            if walk is None:  # (two workers may each make one at once: either walks the same sequence)
+                fresh = RankPlan(rank.rank, rank.world, rank.equal_steps)
+                walk = self._fresh_walk = PieceWalk(lambda: self._rank_epochs(fresh))
+            return walk.locate(index)
         epoch, off = divmod(index, len(self._units))
         if self.epochs is not None and epoch >= self.epochs:
             return None
@@ -633,7 +649,7 @@ class ShardedSource(Transformable):
         state = self.__dict__.copy()
         del state["_lock"]
         state["_order_cache"] = None
-        state["_walk"] = None  # made again on first use, in the process that uses it
+        state["_walk"] = state["_fresh_walk"] = None  # made again on first use, in the process that uses it
         state["_windows"] = {}
         state["_resumed"] = None  # each worker process replays the windows itself
         return state

@@ -15,7 +15,9 @@ that what the state lists is exactly the rows of the turns before that one, plus
 turn's draw (a checkpoint falls between batches, and a batch may end inside a chunk); anything
 else (a state of an unordered run, of another worker count, or of a source with a filter,
 whose dropped rows are recorded as they are fetched, ahead of the stream) and the source resumes
-as before: every row not delivered, once, windows empty.
+as before: every row not delivered, once, windows empty. A sharded rank's stream is the one its
+share was cut from when the stream began (from the basis of an elastic resume, if any): its own
+state, less that basis, is what it replays against.
 
 What each worker does first in the resumed run (:class:`WorkerStart`): the undelivered rest of
 the turn the checkpoint cut, or that turn's whole draw; ``SKIP`` if its turn in the round the
@@ -51,17 +53,19 @@ class WorkerStart:
 
 
 def replay(workers: Sequence[int], capacity: int, rng_of: Callable[[int], np.random.Generator],
-           next_unit: NextUnit, largest_unit: int, ranges: np.ndarray) -> Optional[Dict[int, WorkerStart]]:
+           next_unit: NextUnit, largest_unit: int, ranges: np.ndarray, before: int = 0
+           ) -> Optional[Dict[int, WorkerStart]]:
     """Each worker's start for a run resuming from ``ranges`` (the state's rows, merged), or None
     when the state is not a prefix of the ordered stream these windows make (see the module
     docstring). ``workers``: the feed's worker ids (the round-robin goes in sorted order, worker
     ``workers[i]`` reading sequence indices ``i, i + len(workers), ...``); ``capacity``: each
-    worker's window, in rows; ``largest_unit``: the draw when a call read no unit (rows)."""
+    worker's window, in rows; ``largest_unit``: the draw when a call read no unit (rows);
+    ``before``: rows of ``ranges`` delivered before this stream began (a sharded rank's basis)."""
     order = sorted(workers)
     count = len(workers)
     cursor = {w: i for i, w in enumerate(workers)}
     windows = {w: ShuffleWindow(capacity, rng_of(w)) for w in workers}
-    left = int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0
+    left = (int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0) - before
     ended: Set[int] = set()
     pos = 0
     while len(ended) < count:
