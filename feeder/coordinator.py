@@ -259,14 +259,18 @@ class GlobalCoordinator:
                 _log_discarded(name, rows, chunks, ended[name], [f for f in feeds if f.input_source_name == name])
         if monitor is not None:
             # Final reports run on the monitor thread: a hanging external logger cannot hang stop().
+            # Called on that thread (an external logger's log() stopping the coordinator), stop() is
+            # what keeps them from running: they run once it has returned, and the thread then ends.
+            me = threading.current_thread()
             reported = monitor.final([functools.partial(f.stats.report, final=True) for f in feeds if f._started])
-            if not stop_monitor and not reported.wait(max(deadline - time.monotonic(), MONITOR_JOIN_S)):
+            if not stop_monitor and me not in monitor.threads() and \
+                    not reported.wait(max(deadline - time.monotonic(), MONITOR_JOIN_S)):
                 log.warning("feeder stop: the final throughput reports of %s did not finish in time (a slow "
                             "external logger?)", sorted({f.input_source_name for f in feeds}))
             if stop_monitor:
                 monitor.stop()
                 join_all(monitor.threads(), max(deadline, time.monotonic() + MONITOR_JOIN_S))
-                stragglers += [t for t in monitor.threads() if t.is_alive()]
+                stragglers += [t for t in monitor.threads() if t.is_alive() and t is not me]
         if stragglers:
             details = [d for f in feeds for d in f.stats.live_descriptions()]
             log.warning("feeder stop: %d thread(s) still running after the join budget: %s%s",

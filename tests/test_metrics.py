@@ -74,6 +74,39 @@ def test_external_logger_raising_a_base_exception_keeps_the_monitor_reporting(co
     assert any("SystemExit" in (r.exc_text or "") or "external logger" in r.getMessage() for r in caplog.records)
 
 
+def test_an_external_logger_may_stop_the_coordinator_from_its_log_call(caplog):
+    """stop() on the monitor thread (a logger's log() deciding the run is over) waited the whole
+    join budget for itself, returned False and logged feeder:monitor as a thread still running."""
+    import time
+
+    coord = feeder.GlobalCoordinator(join_timeout=5.0)
+    results, after = [], ListLogger()
+
+    class Stopper:
+        def log(self, metrics):
+            if not results:
+                t0 = time.monotonic()
+                results.append((coord.stop(), time.monotonic() - t0, len(after.records)))
+
+    feeder.init_data_input_workers(None, ["x"], lambda w, b: [np.zeros((3, 2), np.float32)], 4,
+                                   external_loggers=[Stopper(), after], log_interval=0.05, coordinator=coord)
+    with caplog.at_level(logging.WARNING, logger="feeder"):
+        coord.start()
+        deadline = time.monotonic() + 10
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ok, took, seen = results[0]
+        assert ok is True and took < 2.0
+        # the final report runs once log() has returned (after this report's), then the monitor ends
+        monitor_threads = [t for t in threading.enumerate() if t.name.startswith("feeder:monitor")]
+        for t in monitor_threads:
+            t.join(5)
+        assert not any(t.is_alive() for t in monitor_threads)
+        assert len(after.records) >= seen + 2
+    assert not [r for r in caplog.records if "still running" in r.getMessage()]
+    assert not coord.feeds("train")
+
+
 def test_consumer_counters_see_a_wait_while_it_lasts():
     """The tuner reads waits that are still going on: one longer than its window counted nothing."""
     from feeder.metrics import ConsumerCounters
