@@ -66,6 +66,7 @@ if _SESSION:
     multiprocessing.current_process()._config["semprefix"] = f"/mp-feedertests{os.getpid()}"
 SEM_PREFIX = multiprocessing.current_process()._config["semprefix"]
 _started_pids = {os.getpid()}  # this process and the processes it started with multiprocessing
+_SESSION_START = time.time()  # a loky entry older than this run is no leak of it, whatever pid it names
 _mapped: list = []  # (serial, segment, weak reference to the mapping) of feeder's mappings in this process
 _mapped_lock = threading.Lock()
 _mapped_serial = [0]
@@ -136,7 +137,16 @@ def suite_shm_entries():
     except OSError:
         return set()
     ours = ("sem." + SEM_PREFIX.lstrip("/") + "-", *(f"sem.loky-{pid}-" for pid in _started_pids))
-    return {n for n in names if n.startswith(ours)} | (names & _made_segments)
+    return {n for n in names if n.startswith(ours) and _made_since_start(n)} | (names & _made_segments)
+
+
+def _made_since_start(name):
+    """Whether /dev/shm/``name`` was made during this run: a pid of ours may be one a process of an
+    earlier boot or run had (pids are reused), whose leftover entries then carry it."""
+    try:
+        return os.stat(os.path.join("/dev/shm", name)).st_mtime >= _SESSION_START - 1.0
+    except OSError:
+        return False  # gone meanwhile
 
 
 class SegmentWatch:
