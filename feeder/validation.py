@@ -205,7 +205,7 @@ class ChunkValidator:
                 if isinstance(a, Ragged) or (isinstance(a, (list, tuple)) and a and isinstance(a[0], np.ndarray)):
                     hint = " (rows of different shapes: name the input in pad= to pad them)"
                 raise self._fail(worker_id, name, "a numpy array", _describe(a) + hint)
-            a = self._check_dtype(a, spec, worker_id, self._declared[i].dtype is None)
+            a = self._check_dtype(a, spec, worker_id, self._declared[i].dtype is None, self._declared[i].is_string)
             if a.ndim <= axis:
                 raise self._fail(worker_id, name, f"an array with batch axis {axis} (rank > {axis})",
                                  f"rank {a.ndim}, shape {a.shape}")
@@ -342,13 +342,14 @@ class ChunkValidator:
             raise self._fail(worker_id, spec.name, f"{expected} without nulls",
                              f"a null (None) in row {row} of the chunk ({nulls} in all)")
 
-    def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int, learned: bool) -> np.ndarray:
+    def _check_dtype(self, a: np.ndarray, spec: InputSpec, worker_id: int, learned: bool,
+                     session_string: bool = False) -> np.ndarray:
         if spec.is_string:
             if a.dtype.kind not in "OUS":
                 raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
             if a.dtype.kind == "O":
                 self._refuse_none(a, spec, worker_id)
-            return a
+            return self._as_text(a, spec.name, worker_id) if session_string else a
         if a.dtype.kind == "O":
             if self.learn and not self._learned and spec.dtype is None and _all_strings(a):
                 return a  # a string input, learned from this first chunk (Ray Data hands strings so)
@@ -377,6 +378,37 @@ class ChunkValidator:
             return out
         hint = "" if self.cast else " (cast=True converts safe casts)"
         raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
+
+    def _as_text(self, a: np.ndarray, name: str, worker_id: int) -> np.ndarray:
+        """A string array for a session's tensor(string) input as ONNX Runtime reads it right: str.
+        ONNX Runtime reads a bytes array (dtype S) as text running from one value into the next,
+        and a bytes object as its repr ("b'cat'"), and turns numbers in an object array into their
+        text: bytes are decoded as UTF-8 (one copy, of string inputs only), anything else refused."""
+        if a.dtype.kind == "U":
+            return a
+        if a.dtype.kind == "S":
+            try:
+                return np.char.decode(a, "utf-8")
+            except UnicodeDecodeError:
+                flat = a.ravel().tolist()
+                at = next(k for k, x in enumerate(flat) if not _utf8(x))
+                raise self._fail(worker_id, name, "text (bytes must be UTF-8: the session's input is a string)",
+                                 f"bytes that are not UTF-8 in row {_row(at, a.shape)}: {flat[at]!r:.60}") from None
+        flat = a.ravel().tolist()
+        if all(type(x) is str for x in flat):
+            return a
+        out = []
+        for k, x in enumerate(flat):
+            if isinstance(x, bytes) and _utf8(x):
+                x = x.decode("utf-8")
+            elif not isinstance(x, str):
+                what = "bytes that are not UTF-8" if isinstance(x, bytes) else f"a {type(x).__name__}"
+                raise self._fail(worker_id, name, "strings (str, or bytes of UTF-8 text: the session's input is a "
+                                 "string)", f"{what} in row {_row(k, a.shape)}: {x!r:.60}")
+            out.append(x)
+        text = np.empty(len(out), dtype=object)
+        text[:] = out
+        return text.reshape(a.shape)
 
     def _check_int_cast(self, worker_id: int, name: str, have: np.dtype, want: np.dtype,
                         bounds: Callable[[], Tuple[Any, Any]]) -> None:
@@ -428,6 +460,19 @@ class ChunkValidator:
 
 
 _LEARNED = " like the source's first chunk"
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _row(flat_index: int, shape: Tuple[int, ...]) -> int:
+    """The row (along the first axis) of an element of an array of ``shape``, by its flat index."""
+    return int(np.unravel_index(flat_index, shape)[0]) if shape else 0
 
 
 def _all_strings(a: np.ndarray) -> bool:

@@ -272,3 +272,13 @@ def column_inputs_model(names=("a", "b", "c")) -> bytes:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 1])],
         initializer=[numpy_helper.from_array(w, "W")])
     return _model(graph)
+
+
+def string_identity_model() -> bytes:
+    """s: tensor(string) [N] -> out: the same strings (what the runtime read of them)."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["s"], ["out"])], "strings",
+                          [helper.make_tensor_value_info("s", TensorProto.STRING, ["N"])],
+                          [helper.make_tensor_value_info("out", TensorProto.STRING, ["N"])])
+    return _model(g)

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from models import linear_model, session, two_input_model  # noqa: E402
+from models import linear_model, session, string_identity_model, two_input_model  # noqa: E402
 from utils import Const, workers  # noqa: E402
 
 import feeder  # noqa: E402
@@ -427,3 +427,56 @@ def test_object_arrays_of_anything_else_are_still_refused_without_a_session(coor
     coord.start()
     with pytest.raises(feeder.InputValidationError, match="input 't'.*object"):
         coord.feed("train").next_batch()
+
+
+class _Texts:
+    """Chunks of 3 strings, each chunk ``make(call)``: text that grows from call to call."""
+
+    def __init__(self, make):
+        self.make, self.calls = make, 0
+
+    def __call__(self, worker_id, batch_size):
+        self.calls += 1
+        return [self.make([f"w{self.calls}-{j}" + "x" * (3 * self.calls) + "\u00e9" for j in range(3)])]
+
+
+@pytest.mark.parametrize("form", ["bytes", "object bytes", "str", "object str"])
+def test_a_string_session_input_reads_bytes_as_their_utf8_text(coord, mode, form):
+    """ONNX Runtime read a bytes array (dtype S) as text running from one value into the next
+    ('w2-0xxxxxxw2-1...'), and a bytes object as its repr ("b'cat'"): the feed decodes them."""
+    make = {"bytes": lambda t: np.array([x.encode() for x in t]),
+            "object bytes": lambda t: np.array([x.encode() for x in t], dtype=object),
+            "str": np.array, "object str": lambda t: np.array(t, dtype=object)}[form]
+    sess = session(string_identity_model())
+    feeder.init_data_input_workers(sess, ["s"], _Texts(make), 4, coordinator=coord, timeout=10, **workers(mode, 1))
+    with coord:
+        feed = coord.feed("train")
+        for _ in range(4):
+            (out,), batch = feed.run(with_batch=True)
+            assert list(out) == [str(x) for x in batch["s"]]
+            assert all(x.startswith("w") and x.endswith("\u00e9") and x.count("w") == 1 for x in out), list(out)
+
+
+@pytest.mark.parametrize("chunk, got", [
+    (np.array([b"ok", b"\xff\xfe"]), "bytes that are not UTF-8 in row 1"),
+    (np.array(["ok", b"\xff"], dtype=object), "bytes that are not UTF-8 in row 1"),
+    (np.array(["ok", "fine", 7], dtype=object), "a int in row 2"),
+    (np.array(["ok", 2.5], dtype=object), "a float in row 1"),
+])
+def test_a_string_session_input_refuses_what_is_not_text_naming_the_row(coord, mode, chunk, got):
+    sess = session(string_identity_model())
+    feeder.init_data_input_workers(sess, ["s"], Const([chunk]), 4, input_source_name="scoring", coordinator=coord,
+                                   timeout=10, **workers(mode, 1))
+    coord.start()
+    with pytest.raises(feeder.InputValidationError) as info:
+        coord.feed("scoring").next_batch()
+    msg = str(info.value)
+    assert "source 'scoring'" in msg and "input 's'" in msg and got in msg, msg
+
+
+def test_without_a_session_bytes_stay_bytes(coord):
+    feeder.init_data_input_workers(None, ["s"], Const([np.array([b"a", b"bc", b"d"])]), 4, coordinator=coord,
+                                   timeout=10, num_worker_threads=1)
+    with coord:
+        batch = coord.feed("train").next_batch()
+    assert batch["s"].dtype.kind == "S" and list(batch["s"]) == [b"a", b"bc", b"d", b"a"]
