@@ -34,6 +34,7 @@ from .processes.sending import check_sendable
 from .processes.starting import ProcessOptions, get_context
 from .runtime import input_specs, is_session
 from .sources.rowkeys import public_names, with_row_keys
+from .sources.state import pad_varies_of
 from .validation import InputSpec, fixed_batch_inputs, holds_value, int_arg
 
 log = logging.getLogger("feeder")
@@ -149,6 +150,8 @@ def check_resume_from(resume_from: Any) -> None:
     if resume_from is not None and not isinstance(resume_from, dict):
         raise TypeError(f"resume_from must be a dict from coord.state_dict(name) or None, "
                         f"got {type(resume_from).__name__}")
+    if resume_from is not None:
+        pad_varies_of(resume_from)  # (ValueError before anything is registered)
 
 
 # ---- the session and the device -----------------------------------------------------------------

@@ -706,9 +706,46 @@ def test_merge_states_keeps_every_ranks_rounding_history_and_a_bad_one_is_refuse
         states.append(st)
     merged = merge_states(states)
     assert merged["pad_varies"] == {"frames": [0, 1], "audio": [0]}
-    with pytest.raises(ValueError, match="pad_varies"):
-        pad_varies_of({"pad_varies": {"frames": ["0"]}})
+    for bad in ({"frames": ["0"]}, {"frames": [True]}, {"frames": [-1]}, [0]):
+        with pytest.raises(ValueError, match="pad_varies"):
+            pad_varies_of({"pad_varies": bad})
     coord2 = feeder.GlobalCoordinator()
     with pytest.raises(ValueError, match="pad_varies"):
         feeder.init_data_input_workers(None, ["x"], ArraySource({"x": np.arange(8)}), 4, coordinator=coord2,
                                        resume_from=dict(base, pad_varies=[0]))
+    assert coord2.sources == [] and not coord2.feeds("train")  # refused before anything was registered
+
+
+def test_a_state_never_has_a_batchs_rows_without_the_rounding_history_it_left():
+    """Keys and history were recorded in two steps, and a state read them in two: a checkpoint
+    taken from another thread as a batch was popped could pair batch k's rows with the history
+    after batch k-1 (its resume then shaped batches otherwise). 1 state in 20 did, at a short
+    switch interval."""
+    import sys
+    import types
+
+    from feeder.sources.rowkeys import KeyLedger, source_state
+
+    ledger, n, stop = KeyLedger("t"), 3000, threading.Event()
+    expected = {k: {"f": list(range(k // 40 + 1))} for k in range(n)}  # the history after batch k
+    bad = []
+
+    def checkpoints():
+        while not stop.is_set():
+            state = source_state("t", ledger, None)
+            rows = state["rows_delivered"]
+            if rows and state.get("pad_varies") != expected[rows // 4 - 1]:
+                bad.append((rows, state.get("pad_varies")))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=checkpoints)
+    try:
+        reader.start()
+        for k in range(n):
+            ledger.record(types.SimpleNamespace(keys=np.arange(4 * k, 4 * k + 4), pad_varies=expected[k]))
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(old)
+    assert not bad, bad[:3]

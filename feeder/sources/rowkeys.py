@@ -151,25 +151,27 @@ class KeyLedger:
         """Called with every item a feed's ready queue pops, under that queue's lock: cheap."""
         keys = getattr(item, "keys", None)
         if keys is not None:
-            self.record_keys(keys)
-        varies = getattr(item, "pad_varies", None)
-        if varies:
-            with self._lock:
-                for name, axes in varies.items():
-                    self._pad_varies.setdefault(name, set()).update(axes)
+            self.record_keys(keys, getattr(item, "pad_varies", None))
 
     def pad_varies(self) -> Dict[str, List[int]]:
         """Per padded input, the axes its rows had differed along by the last batch delivered."""
         with self._lock:
-            return {k: sorted(v) for k, v in self._pad_varies.items() if v}
+            return self._varies_now()
 
-    def record_keys(self, keys: np.ndarray) -> None:
-        """Record the keys of rows delivered (or committed: feeder.predict)."""
+    def _varies_now(self) -> Dict[str, List[int]]:
+        return {k: sorted(v) for k, v in self._pad_varies.items() if v}
+
+    def record_keys(self, keys: np.ndarray, pad_varies: Optional[Dict[str, List[int]]] = None) -> None:
+        """Record the keys of rows delivered (or committed: feeder.predict), and the padding's
+        rounding history after their batch: one step, so that a state never has one without the other."""
         # Outside the lock (it is the consumer's path): a batch of consecutive keys is kept as its
         # range; others as a copy of their keys (the batch buffer is reused), sorted when merged.
         run = one_run(keys)
         kept = run if run is not None else np.array(keys, dtype=np.int64)
         with self._lock:
+            if pad_varies:
+                for name, axes in pad_varies.items():
+                    self._pad_varies.setdefault(name, set()).update(axes)
             if run is not None:
                 self._pending_runs.append(run)
             else:
@@ -243,6 +245,12 @@ class KeyLedger:
                 return merge_ranges(np.concatenate([self._ranges, self._loose]))[0], self.filtered + count
             return self._ranges.copy(), self.filtered
 
+    def state_parts(self) -> Tuple[np.ndarray, int, Dict[str, List[int]]]:
+        """:meth:`snapshot` and :meth:`pad_varies` read together (a state's)."""
+        with self._lock:
+            self._compact()
+            return self._ranges.copy(), self.filtered, self._varies_now()
+
     @property
     def loose_filtered(self) -> int:
         """Filtered keys recorded and not yet in the ranges (nor in a state)."""
@@ -263,7 +271,7 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
                          f"from feeder.sources, or see 'Checkpoint and resume' in the guide, docs/sources.md)")
     definition = getattr(fetch_fun, "feeder_definition", None)
     shard = getattr(fetch_fun, "feeder_shard_record", None)
-    ranges, filtered = ledger.snapshot()
+    ranges, filtered, varies = ledger.state_parts()
     state = {
         "format": STATE_FORMAT,
         "source": name,
@@ -276,7 +284,6 @@ def source_state(name: str, ledger: Optional[KeyLedger], fetch_fun: Any) -> Dict
         state["shard"] = record
     if filtered:
         state["rows_filtered"] = filtered
-    varies = ledger.pad_varies()
     if varies:
         state["pad_varies"] = varies
     return state

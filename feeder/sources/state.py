@@ -30,10 +30,11 @@ def pad_varies_of(state: Optional[Mapping[str, Any]]) -> Dict[str, List[int]]:
     none. ValueError naming the field for anything else (a state edited by hand, or corrupted)."""
     raw = (state or {}).get("pad_varies") or {}
     ok = isinstance(raw, Mapping) and all(
-        isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(a, int) and a >= 0 for a in v)
+        isinstance(k, str) and isinstance(v, (list, tuple))
+        and all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in v)
         for k, v in raw.items())
     if not ok:
-        raise ValueError(f"resume_from: 'pad_varies' must map padded input names to lists of axes (ints >= 0), "
+        raise ValueError(f"a source state's 'pad_varies' must map padded input names to lists of axes (ints >= 0), "
                          f"got {raw!r:.200}")
     return {k: sorted({int(a) for a in v}) for k, v in raw.items() if v}
 
