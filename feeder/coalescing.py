@@ -145,7 +145,11 @@ class Coalescer:
         pending = rb.add(arrays, rows)
         self.unput += 1
         if pending < bs:
-            return self.put_pending() if slow_call else True  # a slow source: put rows as they come
+            if slow_call:
+                return self.put_pending()  # a slow source: put rows as they come
+            if self.unput >= self.most_chunks():
+                return self._put_held()
+            return True
         if self.realign and self.offset:
             if not self.put_pending(bs - self.offset):
                 return False
@@ -169,6 +173,33 @@ class Coalescer:
         self.held_since = time.monotonic() if rb.pending_rows else 0.0
         if self.held_since and slow_call:
             return self.put_pending()
+        return True
+
+    def most_chunks(self) -> int:
+        """The most of fetch_fun's chunks one piece put may stand for: the source queue's bound."""
+        return max(1, self._source.maxsize)
+
+    def _put_held(self) -> bool:
+        """Put the held rows, short of a batch, as one chunk: they stand for as many of fetch_fun's
+        chunks as the source queue may hold (``max_buffered_batches``, in chunks), and one piece
+        standing for more would overfill it. One copy, as a whole batch's; the enqueuer's batches
+        are then cut across such pieces (a second copy), which only a bound below a batch's
+        chunks makes happen. False if the put failed (stop)."""
+        if self.unput <= 2:
+            return self.put_pending()  # (a bound of a chunk or two: as they came, uncopied)
+        rb = self.rb
+        t0 = time.monotonic()
+        plan = rb.plan_flush()
+        if plan is None:
+            return True
+        rb.buffers(plan, use_ring=False)
+        arrays = plan.execute()
+        self._state.assemble_s += time.monotonic() - t0
+        slots, self.unput = max(1, self.unput), 0
+        self.held_since = 0.0
+        if not self._put(Chunk(self._wid, tuple(arrays), plan.rows, slots)):
+            return False
+        self.offset = (self.offset + plan.rows) % rb.batch_size
         return True
 
     def flush_if_stale(self, now: float) -> None:
@@ -210,6 +241,7 @@ def burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: int
     parked = co.parked
     monotonic = time.monotonic
     limit = bs // COALESCE_FRACTION
+    most = co.most_chunks()
     held = rb.pending_rows
     deadline = co.held_since + COALESCE_HOLD_S
     if single is not None:
@@ -254,7 +286,7 @@ def burst(co: Coalescer, fetch_fun: Callable[[int, int], Any], wid: int, bs: int
                     arrays, n = check(raw, wid)
                 except InputValidationError:
                     return raw, None, t0  # the fetch loop checks it again and fails the source
-            if 0 < n <= limit and held + n < bs:
+            if 0 < n <= limit and held + n < bs and co.unput + 1 < most:
                 pending.append((n, arrays))
                 held += n
                 co.unput += 1

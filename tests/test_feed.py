@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from utils import Cycle, Sharded, wait_until, workers
+from utils import Cycle, Sharded, check_aligned, wait_until, workers
 
 import feeder
 import feeder.feed
@@ -319,3 +319,43 @@ def test_a_prepare_batch_that_raises_fails_the_source_and_loses_no_row_silently(
     m = feeds[0].metrics()
     assert m["source_rows_discarded"] >= 8  # the failed batch's rows, at least
     coord.stop()  # the ledger check at stop must balance (the autouse fixture fails the test if not)
+
+
+class _TinyChunks:
+    """``n`` rows (ids, and their float copy) in chunks of 1-3 rows; one worker's (no lock: it travels)."""
+
+    def __init__(self, n):
+        self.n, self.next, self.calls = n, 0, 0
+
+    def __call__(self, worker_id, batch_size):
+        if self.next >= self.n:
+            raise StopIteration
+        size = (1, 2, 1, 3)[self.calls % 4]
+        self.calls += 1
+        ids = np.arange(self.next, min(self.n, self.next + size))
+        self.next += len(ids)
+        return [ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1)]
+
+
+@pytest.mark.parametrize("bound", [1, 5, 40])
+def test_tiny_chunks_never_fill_the_source_queue_past_max_buffered_batches(coord, mode, bound):
+    """The queue is bounded in chunks as fetch_fun returned them, and a batch a fetcher coalesced
+    from tiny chunks counts as all of them; one standing for more than the bound went in alone,
+    so max_buffered_batches=1 held 64 (fetch_fun ran 6 batches ahead of a consumer, not 4 + 1)."""
+    import time
+
+    feeder.init_data_input_workers(None, ["id", "x"], _TinyChunks(4000), 64, coordinator=coord,
+                                   max_buffered_batches=bound, timeout=20, **workers(mode, 1))
+    q = coord.get_queue("train", bound)
+    coord.start()
+    feed = coord.feed("train")
+    peak, deadline = 0, time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # nobody consumes: the fetcher fills everything it may
+        peak = max(peak, q.qsize())
+        time.sleep(0.001)
+    ids = []
+    for batch in feed:
+        ids.extend(check_aligned(batch).tolist())
+        peak = max(peak, q.qsize())
+    assert peak <= bound
+    assert sorted(ids) == list(range(4000))

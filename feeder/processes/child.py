@@ -522,9 +522,11 @@ def ignore_sigint() -> None:
 
 
 def worker_main(conn: Connection, worker_id: int, functions: Sendable, seed: int, validator: ChunkValidator,
-                batch_size: int, coalesce: bool, lifeline: Tuple[Connection, Tuple[int, ...], Optional[int]]) -> None:
+                batch_size: int, coalesce: int, lifeline: Tuple[Connection, Tuple[int, ...], Optional[int]]) -> None:
     """The body of a worker process (see the module docstring). ``functions`` carries
-    ``(fetch_fun, worker_init_fun)``; ``lifeline`` is ``arm_lifeline``'s arguments."""
+    ``(fetch_fun, worker_init_fun)``; ``coalesce``: the most of fetch_fun's chunks one piece sent may
+    stand for (the source queue's bound, in chunks), 0 for none coalesced; ``lifeline`` is
+    ``arm_lifeline``'s arguments."""
     arm_lifeline(*lifeline)  # the read end stays open (referenced here) as long as the process lives
     ignore_sigint()
     faulthandler.enable()
@@ -587,7 +589,7 @@ BURST_CALLS = 64  # calls a burst makes before the loop looks at stop, the go-ah
 
 
 def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: int,
-           single: Optional[Tuple[Any, ...]]) -> Optional[Tuple[Any, Optional[BaseException], float, float]]:
+           single: Optional[Tuple[Any, ...]], most: int) -> Optional[Tuple[Any, Optional[BaseException], float, float]]:
     """The common case in as few steps as possible: fetch tiny chunks of one input and hold them
     until the batch is nearly full (the loop then completes it), the bookkeeping kept in locals.
 
@@ -631,7 +633,7 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
                 a = raw[0]
                 if type(a) is np.ndarray and a.dtype is dtype and a.shape[1:] == rest:
                     n = a.shape[0]
-                    if 0 < n and held + n < bs:
+                    if 0 < n and held + n < bs and len(pending) + 1 < most:
                         pending.append(((a,), n))
                         held += n
                         child.chunks += 1
@@ -647,7 +649,7 @@ def _burst(child: _Child, fetch_fun: Callable[[int, int], Any], wid: int, bs: in
         child.fetch_s += fetch_s
 
 
-def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: bool) -> None:
+def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkValidator, coalesce: int) -> None:
     wid = child.worker_id
     fields = child.control.fields
     axes = child.axes = validator.axes
@@ -723,7 +725,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
             child.rows += rows
             held = child.pending_rows
             if held + rows < bs and not slow and coalesce and validator._fast is not None \
-                    and (not held or now - child.held_since <= COALESCE_HOLD_S):
+                    and len(child.pending) + 1 < coalesce and (not held or now - child.held_since <= COALESCE_HOLD_S):
                 # the common case: a small chunk that does not complete a batch is held, and the
                 # next calls go the short way while they are like it (see _burst)
                 if not held:
@@ -731,7 +733,7 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                 child.pending.append((arrays, rows))
                 child.pending_rows = held + rows
                 status.state = "in fetch_fun"
-                carried = _burst(child, fetch_fun, wid, bs, validator._single)  # (learned from the first chunk)
+                carried = _burst(child, fetch_fun, wid, bs, validator._single, coalesce)  # (_single: learned)
                 continue
             # Unlike a fetcher thread, a process copies every chunk once anyway (into its slot), so
             # cutting whole batches here costs nothing extra and saves the parent its copy: the
@@ -756,7 +758,8 @@ def _loop(child: _Child, fetch_fun: Callable[[int, int], Any], validator: ChunkV
                         return
                 if not child.pending_rows:
                     child.held_since = 0.0
-                elif slow or now - child.held_since > COALESCE_HOLD_S:
+                elif slow or now - child.held_since > COALESCE_HOLD_S or len(child.pending) >= coalesce:
+                    # (held long enough, or standing for as many chunks as the source queue may hold)
                     if not child.flush():
                         return
             if now >= stats_due:

@@ -138,8 +138,9 @@ class ProcFetchers(Receivers):
         inherited = tuple(x.lifeline for x in self._workers if x.lifeline is not None) if fork else ()
         proc = ctx.Process(  # type: ignore[attr-defined]  # BaseContext's Process is set per context
             target=worker_main, name=_ChildName(f"feeder:{name}:proc-{wid}"), daemon=True,
-            args=(child_conn, wid, functions, seed, self._validator, batch_size, coalesce,
-                  (read_end, inherited, death_ppid)))
+            # (coalesce: the most chunks one coalesced piece may stand for, the queue's bound; 0: off)
+            args=(child_conn, wid, functions, seed, self._validator, batch_size,
+                  max(1, self.source.maxsize) if coalesce else 0, (read_end, inherited, death_ppid)))
         w.state.set("starting")
         try:
             with phantom_main_file_hidden():
