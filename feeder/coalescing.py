@@ -10,6 +10,10 @@ the enqueuer puts them for it, see ``Coalescer``), and not at all when a call is
 per-chunk overhead does not matter then). Off for ``ordered`` sources (their chunk sequence
 is the contract) and for ``dont_rebatch``.
 
+A piece put counts as every chunk in it against the source queue's bound (``max_buffered_batches``,
+in chunks), so a fetcher never holds more chunks than that bound before it puts them
+(``Coalescer.most_chunks``): the queue holds at most its bound, however small.
+
 Rows put uncoalesced (after a hold or a slow call) would shift the enqueuer's batch
 boundaries, and every later assembled batch would be cut apart and copied again. With
 several workers or feeds the enqueuer avoids that by letting whole batches go first (no
