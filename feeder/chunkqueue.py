@@ -62,15 +62,21 @@ class Chunk:
     ``slots`` is how many of ``fetch_fun``'s chunks it stands for (a fetcher may coalesce
     several into one batch); the queue's bound counts those, so coalescing never lets a
     source buffer more than ``max_buffered_batches`` of the chunks the user returns.
+
+    ``pieces``, instead of ``arrays``: the (rows, arrays) of several chunks a fetcher held and
+    puts together, uncopied (``feeder.coalescing``: no more of them than the queue's bound).
     """
 
-    __slots__ = ("worker_id", "arrays", "rows", "nbytes", "slots")
+    __slots__ = ("worker_id", "arrays", "rows", "nbytes", "slots", "pieces")
 
-    def __init__(self, worker_id: int, arrays: Tuple[np.ndarray, ...], rows: int, slots: int = 1):
+    def __init__(self, worker_id: int, arrays: Tuple[np.ndarray, ...], rows: int, slots: int = 1,
+                 pieces: Optional[List[Tuple[int, Tuple[np.ndarray, ...]]]] = None):
         self.worker_id = worker_id
         self.arrays = arrays
         self.rows = rows
-        self.nbytes = sum(a.nbytes for a in arrays)
+        self.pieces = pieces
+        self.nbytes = sum(a.nbytes for a in arrays) if pieces is None else \
+            sum(a.nbytes for _, piece in pieces for a in piece)
         self.slots = slots
 
 

@@ -184,26 +184,20 @@ class Coalescer:
         return max(1, self._source.maxsize)
 
     def _put_held(self) -> bool:
-        """Put the held rows, short of a batch, as one chunk: they stand for as many of fetch_fun's
-        chunks as the source queue may hold (``max_buffered_batches``, in chunks), and one piece
-        standing for more would overfill it. One copy, as a whole batch's; the enqueuer's batches
-        are then cut across such pieces (a second copy), which only a bound below a batch's
-        chunks makes happen. False if the put failed (stop)."""
-        if self.unput <= 2:
-            return self.put_pending()  # (a bound of a chunk or two: as they came, uncopied)
+        """Put the held rows, short of a batch, as one chunk of pieces, uncopied: they stand for as
+        many of fetch_fun's chunks as the source queue may hold (``max_buffered_batches``, in
+        chunks), and one piece standing for more would overfill it. The enqueuer copies them once,
+        into its batches, as it would have copied them put one by one. False if the put failed (stop)."""
         rb = self.rb
-        t0 = time.monotonic()
-        plan = rb.plan_flush()
-        if plan is None:
+        pieces, rows = rb.take_all()
+        if not pieces:
             return True
-        rb.buffers(plan, use_ring=False)
-        arrays = plan.execute()
-        self._state.assemble_s += time.monotonic() - t0
         slots, self.unput = max(1, self.unput), 0
         self.held_since = 0.0
-        if not self._put(Chunk(self._wid, tuple(arrays), plan.rows, slots)):
+        if not self._put(Chunk(self._wid, (), rows, slots, pieces=pieces)):
+            rb.restore_front(pieces)
             return False
-        self.offset = (self.offset + plan.rows) % rb.batch_size
+        self.offset = (self.offset + rows) % rb.batch_size
         return True
 
     def flush_if_stale(self, now: float) -> None:

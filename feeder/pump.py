@@ -177,7 +177,12 @@ class Pump:
             if isinstance(rb, PadRebatcher):
                 return self._emit(rb.plan_whole(item.arrays, item.rows))
             return self._emit(Plan.whole(item.arrays, item.rows, self._axes))
-        self._rebatcher.add(item.arrays, item.rows)
+        if item.pieces is not None:  # a fetcher's held chunks put together (feeder.coalescing): as they came
+            rb = self._rebatcher
+            assert isinstance(rb, Rebatcher)  # (padded inputs are never coalesced)
+            rb.extend(item.pieces, item.rows)
+        else:
+            self._rebatcher.add(item.arrays, item.rows)
         self._inflight_rows = 0
         return self._emit_full_batches(block=False)
 

@@ -307,6 +307,19 @@ class Rebatcher:
         self._pending.append((rows, arrays))
         self.pending_rows += rows
 
+    def extend(self, pieces: Sequence[Tuple[int, Arrays]], rows: int) -> None:
+        """:meth:`append` each of ``pieces`` ((rows, arrays), checked), ``rows`` in all, in one step."""
+        self._pending.extend(pieces)
+        self.pending_rows += rows
+
+    def take_all(self) -> Tuple[List[Tuple[int, Arrays]], int]:
+        """Hand back every pending piece, uncopied, in order, and their rows (:meth:`take_pieces`
+        without a limit, in one step rather than a piece at a time)."""
+        pieces, rows = list(self._pending), self.pending_rows
+        self._pending.clear()
+        self.pending_rows = 0
+        return pieces, rows
+
     def has_batch(self) -> bool:
         """Whether :meth:`pop` would return a batch now."""
         return self.pending_rows >= self.batch_size

@@ -337,15 +337,16 @@ class _TinyChunks:
         return [ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1)]
 
 
-@pytest.mark.parametrize("bound", [1, 5, 40])
+@pytest.mark.parametrize("bound", [1, 5, 40, 200])
 def test_tiny_chunks_never_fill_the_source_queue_past_max_buffered_batches(coord, mode, bound):
     """The queue is bounded in chunks as fetch_fun returned them, and a batch a fetcher coalesced
     from tiny chunks counts as all of them; one standing for more than the bound went in alone,
     so max_buffered_batches=1 held 64 (fetch_fun ran 6 batches ahead of a consumer, not 4 + 1)."""
     import time
 
-    feeder.init_data_input_workers(None, ["id", "x"], _TinyChunks(4000), 64, coordinator=coord,
-                                   max_buffered_batches=bound, timeout=20, **workers(mode, 1))
+    # (batches of 512 rows: more chunks than every bound but the last holds, and more than it too)
+    feeder.init_data_input_workers(None, ["id", "x"], _TinyChunks(4000), 512 if bound == 200 else 64,
+                                   coordinator=coord, max_buffered_batches=bound, timeout=20, **workers(mode, 1))
     q = coord.get_queue("train", bound)
     coord.start()
     feed = coord.feed("train")
