@@ -336,7 +336,7 @@ class ChunkValidator:
             pass
         at = next((i for i, x in enumerate(flat) if x is None), None)  # (identity, not ==)
         if at is not None:
-            row = int(np.unravel_index(at, a.shape)[0]) if a.ndim else 0
+            row = _row(at, a.shape, self.axes[self._index[spec.name]])
             nulls = sum(x is None for x in flat)
             expected = "strings" if spec.is_string else ("values" if spec.dtype is None else f"dtype {spec.dtype}")
             raise self._fail(worker_id, spec.name, f"{expected} without nulls",
@@ -386,14 +386,16 @@ class ChunkValidator:
         text: bytes are decoded as UTF-8 (one copy, of string inputs only), anything else refused."""
         if a.dtype.kind == "U":
             return a
+        axis = self.axes[self._index[name]]
         if a.dtype.kind == "S":
             try:
                 return np.char.decode(a, "utf-8")
             except UnicodeDecodeError:
                 flat = a.ravel().tolist()
                 at = next(k for k, x in enumerate(flat) if not _utf8(x))
+                got = f"bytes that are not UTF-8 in row {_row(at, a.shape, axis)}: {flat[at]!r:.60}"
                 raise self._fail(worker_id, name, "text (bytes must be UTF-8: the session's input is a string)",
-                                 f"bytes that are not UTF-8 in row {_row(at, a.shape)}: {flat[at]!r:.60}") from None
+                                 got) from None
         flat = a.ravel().tolist()
         if all(type(x) is str for x in flat):
             return a
@@ -402,9 +404,9 @@ class ChunkValidator:
             if isinstance(x, bytes) and _utf8(x):
                 x = x.decode("utf-8")
             elif not isinstance(x, str):
-                what = "bytes that are not UTF-8" if isinstance(x, bytes) else f"a {type(x).__name__}"
+                what = "bytes that are not UTF-8" if isinstance(x, bytes) else f"{type(x).__name__} {x!r:.60}"
                 raise self._fail(worker_id, name, "strings (str, or bytes of UTF-8 text: the session's input is a "
-                                 "string)", f"{what} in row {_row(k, a.shape)}: {x!r:.60}")
+                                 "string)", f"{what} in row {_row(k, a.shape, axis)}")
             out.append(x)
         text = np.empty(len(out), dtype=object)
         text[:] = out
@@ -470,9 +472,9 @@ def _utf8(b: bytes) -> bool:
         return False
 
 
-def _row(flat_index: int, shape: Tuple[int, ...]) -> int:
-    """The row (along the first axis) of an element of an array of ``shape``, by its flat index."""
-    return int(np.unravel_index(flat_index, shape)[0]) if shape else 0
+def _row(flat_index: int, shape: Tuple[int, ...], axis: int = 0) -> int:
+    """The row (along the batch ``axis``) of an element of an array of ``shape``, by its flat index."""
+    return int(np.unravel_index(flat_index, shape)[axis]) if len(shape) > axis else 0
 
 
 def _all_strings(a: np.ndarray) -> bool:

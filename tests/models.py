@@ -274,11 +274,11 @@ def column_inputs_model(names=("a", "b", "c")) -> bytes:
     return _model(graph)
 
 
-def string_identity_model() -> bytes:
-    """s: tensor(string) [N] -> out: the same strings (what the runtime read of them)."""
+def string_identity_model(shape=("N",)) -> bytes:
+    """s: tensor(string) of ``shape`` -> out: the same strings (what the runtime read of them)."""
     from onnx import TensorProto, helper
 
     g = helper.make_graph([helper.make_node("Identity", ["s"], ["out"])], "strings",
-                          [helper.make_tensor_value_info("s", TensorProto.STRING, ["N"])],
-                          [helper.make_tensor_value_info("out", TensorProto.STRING, ["N"])])
+                          [helper.make_tensor_value_info("s", TensorProto.STRING, list(shape))],
+                          [helper.make_tensor_value_info("out", TensorProto.STRING, list(shape))])
     return _model(g)

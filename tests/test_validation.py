@@ -2,6 +2,8 @@
 what was expected and what came; safe casts with cast=True (issue 4)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -460,8 +462,8 @@ def test_a_string_session_input_reads_bytes_as_their_utf8_text(coord, mode, form
 @pytest.mark.parametrize("chunk, got", [
     (np.array([b"ok", b"\xff\xfe"]), "bytes that are not UTF-8 in row 1"),
     (np.array(["ok", b"\xff"], dtype=object), "bytes that are not UTF-8 in row 1"),
-    (np.array(["ok", "fine", 7], dtype=object), "a int in row 2"),
-    (np.array(["ok", 2.5], dtype=object), "a float in row 1"),
+    (np.array(["ok", "fine", 7], dtype=object), "int 7 in row 2"),
+    (np.array(["ok", 2.5], dtype=object), "float 2.5 in row 1"),
 ])
 def test_a_string_session_input_refuses_what_is_not_text_naming_the_row(coord, mode, chunk, got):
     sess = session(string_identity_model())
@@ -480,3 +482,20 @@ def test_without_a_session_bytes_stay_bytes(coord):
     with coord:
         batch = coord.feed("train").next_batch()
     assert batch["s"].dtype.kind == "S" and list(batch["s"]) == [b"a", b"bc", b"d", b"a"]
+
+
+@pytest.mark.parametrize("column, got", [
+    (np.array([b"\xff", b"d"]), "bytes that are not UTF-8 in row 1"),
+    (np.array([5, "d"], dtype=object), "int 5 in row 1"),
+    (np.array([None, "d"], dtype=object), "a null (None) in row 1"),
+])
+def test_a_string_input_batched_on_axis_1_names_the_row_along_that_axis(coord, column, got):
+    chunk = np.empty((2, 2), dtype=object if column.dtype == object else "S2")
+    chunk[:, 0] = [b"a", b"c"] if chunk.dtype.kind == "S" else ["a", "c"]
+    chunk[:, 1] = column
+    sess = session(string_identity_model((2, "N")))
+    feeder.init_data_input_workers(sess, ["s"], Const([chunk]), 2, batch_columns=[1], coordinator=coord,
+                                   timeout=10, num_worker_threads=1)
+    coord.start()
+    with pytest.raises(feeder.InputValidationError, match=re.escape(got)):
+        coord.feed("train").next_batch()
