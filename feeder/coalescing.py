@@ -179,6 +179,13 @@ class Coalescer:
             return self.put_pending()
         return True
 
+    def may_hold(self, rows: int, bs: int) -> bool:
+        """Whether a tiny chunk of ``rows`` joins the held rows without completing a batch of ``bs``
+        (nor making them more chunks than the queue may hold): the fetch loop's short way."""
+        rb = self.rb
+        return bs == rb.batch_size and rows * COALESCE_FRACTION <= bs and rb.pending_rows + rows < bs \
+            and self.unput + 1 < self.most_chunks()
+
     def most_chunks(self) -> int:
         """The most of fetch_fun's chunks one piece put may stand for: the source queue's bound."""
         return max(1, self._source.maxsize)

@@ -292,8 +292,7 @@ def fetch_loop(*, source: ChunkQueue, source_name: str, fetch_fun: Callable[[int
                 continue
             rb = co.rb
             slow = now - state.since > COALESCE_SLOW_CALL_S
-            if not slow and bs == rb.batch_size and rows * COALESCE_FRACTION <= bs and rb.pending_rows + rows < bs \
-                    and co.unput + 1 < co.most_chunks():
+            if not slow and co.may_hold(rows, bs):
                 # the common case: a tiny chunk that does not complete a batch is held, and the next
                 # calls go the short way while they are like it (see feeder.coalescing.burst)
                 if not rb.pending_rows:
