@@ -347,9 +347,11 @@ class ChunkValidator:
         if spec.is_string:
             if a.dtype.kind not in "OUS":
                 raise self._fail(worker_id, spec.name, "a string array (dtype object or str)", f"dtype {a.dtype}")
+            if session_string:
+                return self._as_text(a, spec, worker_id)  # (nulls too: one pass over the values)
             if a.dtype.kind == "O":
                 self._refuse_none(a, spec, worker_id)
-            return self._as_text(a, spec.name, worker_id) if session_string else a
+            return a
         if a.dtype.kind == "O":
             if self.learn and not self._learned and spec.dtype is None and _all_strings(a):
                 return a  # a string input, learned from this first chunk (Ray Data hands strings so)
@@ -379,13 +381,14 @@ class ChunkValidator:
         hint = "" if self.cast else " (cast=True converts safe casts)"
         raise self._fail(worker_id, spec.name, f"dtype {want}{_LEARNED if learned else ''}", f"dtype {a.dtype}{hint}")
 
-    def _as_text(self, a: np.ndarray, name: str, worker_id: int) -> np.ndarray:
+    def _as_text(self, a: np.ndarray, spec: InputSpec, worker_id: int) -> np.ndarray:
         """A string array for a session's tensor(string) input as ONNX Runtime reads it right: str.
         ONNX Runtime reads a bytes array (dtype S) as text running from one value into the next,
         and a bytes object as its repr ("b'cat'"), and turns numbers in an object array into their
         text: bytes are decoded as UTF-8 (one copy, of string inputs only), anything else refused."""
         if a.dtype.kind == "U":
             return a
+        name = spec.name
         axis = self.axes[self._index[name]]
         if a.dtype.kind == "S":
             try:
@@ -399,12 +402,19 @@ class ChunkValidator:
         flat = a.ravel().tolist()
         if all(type(x) is str for x in flat):
             return a
+        if any(x is None for x in flat):
+            self._refuse_none(a, spec, worker_id)  # (a null is said as such)
         out = []
         for k, x in enumerate(flat):
-            if isinstance(x, bytes) and _utf8(x):
-                x = x.decode("utf-8")
+            what = None
+            if isinstance(x, bytes):
+                try:
+                    x = x.decode("utf-8")
+                except UnicodeDecodeError:
+                    what = "bytes that are not UTF-8"
             elif not isinstance(x, str):
-                what = "bytes that are not UTF-8" if isinstance(x, bytes) else f"{type(x).__name__} {x!r:.60}"
+                what = f"{type(x).__name__} {x!r:.60}"
+            if what is not None:
                 raise self._fail(worker_id, name, "strings (str, or bytes of UTF-8 text: the session's input is a "
                                  "string)", f"{what} in row {_row(k, a.shape, axis)}")
             out.append(x)
