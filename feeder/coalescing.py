@@ -196,9 +196,7 @@ class Coalescer:
         chunks), and one piece standing for more would overfill it. The enqueuer copies them once,
         into its batches, as it would have copied them put one by one. False if the put failed (stop)."""
         rb = self.rb
-        pieces, rows = rb.take_all()
-        if not pieces:
-            return True
+        pieces, rows = rb.take_all()  # (never none: it is called with the chunk just held)
         slots, self.unput = max(1, self.unput), 0
         self.held_since = 0.0
         if not self._put(Chunk(self._wid, (), rows, slots, pieces=pieces)):
